@@ -1,0 +1,1 @@
+"""The broker node: protocol, model, store, server and admin API."""

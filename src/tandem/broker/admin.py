@@ -1,0 +1,224 @@
+"""The admin HTTP API: health, readiness, status, Prometheus metrics and user management.
+
+Everything but /health and /metrics asks for `Authorization: Bearer <token>` when a token is
+configured.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tandem.broker.model.auth import Permission
+
+if TYPE_CHECKING:
+    from tandem.broker.node import Node
+    from tandem.broker.store.log import Store
+
+log = logging.getLogger(__name__)
+
+FSYNC_SECONDS = Histogram(
+    "tandem_fsync_seconds", "Time one group-commit fsync of the log took",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+    registry=None)
+
+
+def bind_store_metrics(store: Store) -> None:
+    store.fsync_seconds = FSYNC_SECONDS.observe
+
+
+class NodeCollector:
+    """Reads the model at scrape time, so the hot path counts nothing extra."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def collect(self) -> Iterator[Any]:
+        node = self.node
+        conns = [p.conn for p in node.connections if p.conn is not None]
+        yield GaugeMetricFamily("tandem_connections", "Open client connections",
+                                value=len(conns))
+        yield GaugeMetricFamily("tandem_channels", "Open channels",
+                                value=sum(len(c.channels) for c in conns))
+        yield GaugeMetricFamily("tandem_consumers", "Consumers",
+                                value=sum(len(ch.consumers) for c in conns
+                                          for ch in c.channels.values()))
+        depth = GaugeMetricFamily("tandem_queue_depth", "Messages ready plus unacked",
+                                  labels=["vhost", "queue"])
+        ready = GaugeMetricFamily("tandem_queue_ready", "Messages ready",
+                                  labels=["vhost", "queue"])
+        unacked = GaugeMetricFamily("tandem_queue_unacked", "Messages delivered, not acked",
+                                    labels=["vhost", "queue"])
+        published = CounterMetricFamily("tandem_queue_published", "Messages enqueued",
+                                        labels=["vhost", "queue"])
+        delivered = CounterMetricFamily("tandem_queue_delivered", "Messages delivered",
+                                        labels=["vhost", "queue"])
+        acked = CounterMetricFamily("tandem_queue_acked", "Messages acknowledged",
+                                    labels=["vhost", "queue"])
+        for vh in node.broker.vhosts.values():
+            for q in vh.queues.values():
+                labels = [vh.name, q.name]
+                depth.add_metric(labels, q.depth)
+                ready.add_metric(labels, len(q.messages))
+                unacked.add_metric(labels, q.unacked)
+                published.add_metric(labels, q.published)
+                delivered.add_metric(labels, q.delivered)
+                acked.add_metric(labels, q.acked)
+        yield from (depth, ready, unacked, published, delivered, acked)
+        yield GaugeMetricFamily("tandem_log_position", "Offset of the last log record",
+                                value=node.broker.journal.offset)
+        yield GaugeMetricFamily("tandem_alarms", "Alarms in force", value=len(node.alarms))
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json_error(status: int, text: str) -> web.Response:
+    return web.json_response({"error": text}, status=status)
+
+
+def make_app(node: Node) -> web.Application:
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(node))  # type: ignore[arg-type]
+    registry.register(FSYNC_SECONDS)
+    token = node.cfg.admin_token
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token and request.path not in ("/health", "/metrics"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return _json_error(401, "a valid bearer token is required")
+        return await handler(request)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "node": node.cfg.node_id})
+
+    async def ready(request: web.Request) -> web.Response:
+        if node.ready:
+            return web.json_response({"ready": True})
+        return web.json_response({"ready": False}, status=503)
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response(node.status())
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def list_users(request: web.Request) -> web.Response:
+        users = node.broker.users.users.values()
+        return web.json_response([{"name": u.name, "tags": u.tags} for u in users])
+
+    async def put_user(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        body = await _body(request)
+        password = body.get("password")
+        password_hash = body.get("password_hash")
+        if not isinstance(password, str) and not isinstance(password_hash, str):
+            return _json_error(400, "give 'password' or 'password_hash'")
+        node.broker.users.add(name, password=password if isinstance(password, str) else None,
+                              password_hash=password_hash if isinstance(password_hash, str)
+                              else None, tags=list(body.get("tags") or []),
+                              loopback_only=name == "guest" and not node.cfg.guest_remote)
+        node.save_auth()
+        log.info("user '%s' set through the admin API", name)
+        return web.json_response({"name": name}, status=201)
+
+    async def delete_user(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if not node.broker.users.delete(name):
+            return _json_error(404, f"no user '{name}'")
+        node.save_auth()
+        return web.json_response({"deleted": name})
+
+    async def list_vhosts(request: web.Request) -> web.Response:
+        return web.json_response([{"name": n} for n in sorted(node.broker.vhosts)])
+
+    async def put_vhost(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        node.broker.add_vhost(name)
+        node.save_auth()
+        return web.json_response({"name": name}, status=201)
+
+    async def delete_vhost(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if not node.delete_vhost(name):
+            return _json_error(404, f"no vhost '{name}'")
+        node.save_auth()
+        return web.json_response({"deleted": name})
+
+    async def list_permissions(request: web.Request) -> web.Response:
+        perms = node.broker.users.permissions.items()
+        return web.json_response([
+            {"user": u, "vhost": v, "configure": p.configure, "write": p.write, "read": p.read}
+            for (u, v), p in perms])
+
+    async def put_permission(request: web.Request) -> web.Response:
+        vhost, user = request.match_info["vhost"], request.match_info["user"]
+        if vhost not in node.broker.vhosts:
+            return _json_error(404, f"no vhost '{vhost}'")
+        if user not in node.broker.users.users:
+            return _json_error(404, f"no user '{user}'")
+        body = await _body(request)
+        perm = Permission(str(body.get("configure", "")), str(body.get("write", "")),
+                          str(body.get("read", "")))
+        node.broker.users.set_permission(user, vhost, perm)
+        node.save_auth()
+        return web.json_response({"user": user, "vhost": vhost}, status=201)
+
+    async def delete_permission(request: web.Request) -> web.Response:
+        vhost, user = request.match_info["vhost"], request.match_info["user"]
+        if not node.broker.users.clear_permission(user, vhost):
+            return _json_error(404, f"no permissions for '{user}' on '{vhost}'")
+        node.save_auth()
+        return web.json_response({"deleted": True})
+
+    async def list_queues(request: web.Request) -> web.Response:
+        return web.json_response(node.status()["queues"])
+
+    app = web.Application(middlewares=[auth])
+    app.add_routes([
+        web.get("/health", health),
+        web.get("/ready", ready),
+        web.get("/status", status),
+        web.get("/metrics", metrics),
+        web.get("/api/users", list_users),
+        web.put("/api/users/{name}", put_user),
+        web.delete("/api/users/{name}", delete_user),
+        web.get("/api/vhosts", list_vhosts),
+        web.put("/api/vhosts/{name}", put_vhost),
+        web.delete("/api/vhosts/{name}", delete_vhost),
+        web.get("/api/permissions", list_permissions),
+        web.put("/api/permissions/{vhost}/{user}", put_permission),
+        web.delete("/api/permissions/{vhost}/{user}", delete_permission),
+        web.get("/api/queues", list_queues),
+    ])
+    return app
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise web.HTTPBadRequest(text="the body must be JSON") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="the body must be a JSON object")
+    return body
+
+
+async def start(node: Node, host: str, port: int) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(make_app(node), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server
+    assert server is not None
+    sockets = getattr(server, "sockets", None) or []
+    return runner, sockets[0].getsockname()[1] if sockets else port

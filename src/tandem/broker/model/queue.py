@@ -1,0 +1,413 @@
+"""Queues: ordered messages, consumers served round-robin, TTL, length limits, priorities."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tandem import errors
+from tandem.broker.model.message import Message
+
+if TYPE_CHECKING:
+    from tandem.broker.model.vhost import VirtualHost
+
+
+class Consumer(Protocol):
+    """What a queue needs of a consumer; the protocol layer's consumer implements it."""
+
+    tag: str
+    no_ack: bool
+    exclusive: bool
+
+    def ready(self) -> bool:
+        """True when it may take one more message now (prefetch, flow, writable socket)."""
+
+    def deliver(self, queue: Queue, msg: Message) -> None:
+        """Send msg; unless no_ack, the consumer now holds it until settled."""
+
+    def cancelled_by_broker(self, queue: Queue) -> None:
+        """The queue went away: tell the client (basic.cancel) and forget the consumer."""
+
+
+class PriorityBuffer:
+    """A deque per priority level, served highest first; the interface of a deque."""
+
+    __slots__ = ("levels", "n")
+
+    def __init__(self, max_priority: int) -> None:
+        self.levels = [collections.deque[Message]() for _ in range(max_priority + 1)]
+        self.n = len(self.levels) - 1
+
+    def _level(self, msg: Message) -> collections.deque[Message]:
+        return self.levels[min(msg.priority, self.n)]
+
+    def append(self, msg: Message) -> None:
+        self._level(msg).append(msg)
+
+    def appendleft(self, msg: Message) -> None:
+        self._level(msg).appendleft(msg)
+
+    def popleft(self) -> Message:
+        for level in reversed(self.levels):
+            if level:
+                return level.popleft()
+        raise IndexError("pop from an empty queue")
+
+    def __getitem__(self, index: int) -> Message:
+        if index != 0:
+            raise IndexError(index)
+        for level in reversed(self.levels):
+            if level:
+                return level[0]
+        raise IndexError("empty")
+
+    def __len__(self) -> int:
+        return sum(len(level) for level in self.levels)
+
+    def __bool__(self) -> bool:
+        return any(self.levels)
+
+    def __iter__(self) -> Iterator[Message]:
+        for level in reversed(self.levels):
+            yield from level
+
+    def clear(self) -> None:
+        for level in self.levels:
+            level.clear()
+
+
+OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
+REPLICATE_MODES = ("none", "configuration", "all")
+
+
+def _int_arg(args: dict[str, Any], name: str, minimum: int = 0) -> int | None:
+    value = args.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise errors.PreconditionFailed(f"invalid arg '{name}' for queue: {value!r}")
+    return value
+
+
+class Queue:
+    """A queue in a vhost. Depth is ready plus unacked."""
+
+    def __init__(
+        self,
+        vhost: VirtualHost,
+        name: str,
+        *,
+        durable: bool = False,
+        exclusive_owner: object | None = None,
+        auto_delete: bool = False,
+        arguments: dict[str, Any] | None = None,
+    ) -> None:
+        args = dict(arguments or {})
+        self.vhost = vhost
+        self.name = name
+        self.durable = durable
+        self.exclusive_owner = exclusive_owner
+        self.auto_delete = auto_delete
+        self.arguments = args
+        self.ttl = _int_arg(args, "x-message-ttl")
+        self.expires = _int_arg(args, "x-expires", 1)
+        self.max_length = _int_arg(args, "x-max-length")
+        self.max_bytes = _int_arg(args, "x-max-length-bytes")
+        max_priority = _int_arg(args, "x-max-priority")
+        if max_priority is not None and max_priority > 255:
+            raise errors.PreconditionFailed("invalid arg 'x-max-priority': above 255")
+        self.max_priority = max_priority
+        self.overflow = str(args.get("x-overflow", "drop-head"))
+        if self.overflow not in OVERFLOW_MODES:
+            raise errors.PreconditionFailed(f"invalid arg 'x-overflow': {self.overflow!r}")
+        dlx = args.get("x-dead-letter-exchange")
+        self.dlx: str | None = None if dlx is None else str(dlx)
+        dlrk = args.get("x-dead-letter-routing-key")
+        self.dlrk: str | None = None if dlrk is None else str(dlrk)
+        default_replicate = "none" if exclusive_owner is not None else "all"
+        self.replicate = str(args.get("x-tandem-replicate", default_replicate))
+        if self.replicate not in REPLICATE_MODES:
+            raise errors.PreconditionFailed(f"invalid arg 'x-tandem-replicate': {self.replicate!r}")
+        self.messages: collections.deque[Message] | PriorityBuffer = (
+            PriorityBuffer(max_priority) if max_priority else collections.deque()
+        )
+        self.bytes = 0  # body bytes of ready messages
+        self.unacked = 0
+        self.consumers: list[Consumer] = []
+        self.rr = 0
+        self.exclusive_consumer: Consumer | None = None
+        self.had_consumer = False
+        self.last_used = vhost.clock()
+        self.deleted = False
+        self.timed = self.ttl is not None
+        # Counters for metrics.
+        self.published = 0
+        self.delivered = 0
+        self.acked = 0
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def depth(self) -> int:
+        return len(self.messages) + self.unacked
+
+    @property
+    def stores(self) -> bool:
+        """Whether persistent messages on this queue go to disk."""
+        return self.durable
+
+    def same_properties(
+        self, durable: bool, exclusive: bool, auto_delete: bool, arguments: dict[str, Any]
+    ) -> str | None:
+        """Why a redeclare with these properties does not match, or None."""
+        if durable != self.durable:
+            return f"inequivalent arg 'durable' for queue '{self.name}' in vhost "\
+                f"'{self.vhost.name}': received '{str(durable).lower()}' but current is "\
+                f"'{str(self.durable).lower()}'"
+        if exclusive != (self.exclusive_owner is not None):
+            return f"inequivalent arg 'exclusive' for queue '{self.name}'"
+        if auto_delete != self.auto_delete:
+            return f"inequivalent arg 'auto_delete' for queue '{self.name}' in vhost "\
+                f"'{self.vhost.name}': received '{str(auto_delete).lower()}' but current is "\
+                f"'{str(self.auto_delete).lower()}'"
+        for key in set(arguments) | set(self.arguments):
+            if key.startswith("x-") and arguments.get(key) != self.arguments.get(key):
+                return f"inequivalent arg '{key}' for queue '{self.name}' in vhost "\
+                    f"'{self.vhost.name}': received {arguments.get(key)!r} but current is "\
+                    f"{self.arguments.get(key)!r}"
+        return None
+
+    # -- publishing --------------------------------------------------------------------
+
+    def enqueue(self, msg: Message) -> bool:
+        """Take a routed message. False when the queue refuses it (reject-publish overflow)."""
+        if self.max_length is not None or self.max_bytes is not None:
+            if not self._make_room(msg):
+                return False
+        self.published += 1
+        msg.refs += 1
+        if msg.expiration is not None or self.ttl is not None:
+            ttl = self._ttl_of(msg)
+            if ttl == 0 and not self._has_ready_consumer():
+                self._drop(msg, "expired")
+                return True
+            self.timed = True
+        if self.persists(msg):
+            self.vhost.journal.enqueue(self, msg)
+        messages = self.messages
+        if self.consumers and not messages:
+            consumers = self.consumers
+            n = len(consumers)
+            for _ in range(n):
+                c = consumers[self.rr % n]
+                self.rr += 1
+                if c.ready():
+                    self.delivered += 1
+                    if not c.no_ack:
+                        self.unacked += 1
+                    c.deliver(self, msg)
+                    if c.no_ack:
+                        self._forget(msg)
+                    return True
+        messages.append(msg)
+        self.bytes += msg.body_size
+        return True
+
+    def persists(self, msg: Message) -> bool:
+        return msg.persistent and self.durable
+
+    def _ttl_of(self, msg: Message) -> int:
+        ttl = self.ttl
+        if msg.expiration is not None and (ttl is None or msg.expiration < ttl):
+            ttl = msg.expiration
+        assert ttl is not None
+        return ttl
+
+    def _has_ready_consumer(self) -> bool:
+        return any(c.ready() for c in self.consumers)
+
+    def _make_room(self, msg: Message) -> bool:
+        over_len = self.max_length is not None and len(self.messages) + 1 > self.max_length
+        over_bytes = self.max_bytes is not None and self.bytes + msg.body_size > self.max_bytes
+        if not (over_len or over_bytes):
+            return True
+        if self.overflow == "reject-publish":
+            return False
+        if self.overflow == "reject-publish-dlx":
+            self.vhost.dead_letter(self, msg, "maxlen")
+            return False
+        # drop-head: drop the oldest until the new one fits
+        while self.messages and (
+            (self.max_length is not None and len(self.messages) + 1 > self.max_length)
+            or (self.max_bytes is not None and self.bytes + msg.body_size > self.max_bytes)
+        ):
+            old = self.messages.popleft()
+            self.bytes -= old.body_size
+            self._drop(old, "maxlen")
+        if self.max_length == 0 or (self.max_bytes is not None and msg.body_size > self.max_bytes):
+            self.vhost.dead_letter(self, msg, "maxlen")
+            return False
+        return True
+
+    # -- delivering --------------------------------------------------------------------
+
+    def dispatch(self) -> None:
+        """Hand ready messages to consumers that can take them."""
+        messages = self.messages
+        consumers = self.consumers
+        if not messages or not consumers:
+            return
+        if self.timed:
+            self.expire_head()
+        n = len(consumers)
+        idle = 0
+        while messages and idle < n:
+            c = consumers[self.rr % n]
+            self.rr += 1
+            if not c.ready():
+                idle += 1
+                continue
+            idle = 0
+            msg = messages.popleft()
+            self.bytes -= msg.body_size
+            self.delivered += 1
+            if not c.no_ack:
+                self.unacked += 1
+            c.deliver(self, msg)
+            if c.no_ack:
+                self._forget(msg)
+            n = len(consumers)
+            if not n:
+                break
+
+    def get(self) -> Message | None:
+        """basic.get: the next ready message, counted as unacked by the caller's choice."""
+        if self.timed:
+            self.expire_head()
+        if not self.messages:
+            return None
+        msg = self.messages.popleft()
+        self.bytes -= msg.body_size
+        self.delivered += 1
+        return msg
+
+    def settle(self, msg: Message) -> None:
+        """An unacked message was acked: forget it for good."""
+        self.unacked -= 1
+        self.acked += 1
+        self._forget(msg)
+
+    def settle_unacked_get(self, msg: Message) -> None:
+        """A message fetched with no_ack by basic.get: gone at once."""
+        self._forget(msg)
+
+    def reject(self, msg: Message, requeue: bool) -> None:
+        self.unacked -= 1
+        if requeue and not self.deleted:
+            self.requeue(msg)
+        else:
+            self._drop(msg, "rejected")
+
+    def requeue(self, msg: Message) -> None:
+        """Put an unacked message back at the head, flagged redelivered."""
+        if msg.refs > 1 and not msg.redelivered:
+            # Shared with other queues: this queue's copy alone is redelivered.
+            msg.refs -= 1
+            msg = msg.copy()
+            msg.refs = 1
+        msg.redelivered = True
+        self.messages.appendleft(msg)
+        self.bytes += msg.body_size
+
+    def release(self, msg: Message) -> None:
+        """An unacked message whose channel closed: requeue it (counts it out of unacked)."""
+        self.unacked -= 1
+        if self.deleted:
+            self._forget(msg)
+        else:
+            self.requeue(msg)
+
+    def _forget(self, msg: Message) -> None:
+        if self.persists(msg):
+            self.vhost.journal.dequeue(self, msg)
+        msg.refs -= 1
+
+    def _drop(self, msg: Message, reason: str) -> None:
+        """Remove a message for good, dead-lettering it when the queue says so."""
+        if self.dlx is not None:
+            self.vhost.dead_letter(self, msg, reason)
+        self._forget(msg)
+
+    def expire_head(self) -> int:
+        """Drop (and dead-letter) expired messages at the head, as RabbitMQ does."""
+        messages = self.messages
+        now = self.vhost.clock()
+        count = 0
+        while messages:
+            msg = messages[0]
+            if msg.expiration is None and self.ttl is None:
+                break
+            if msg.ts + self._ttl_of(msg) > now:
+                break
+            messages.popleft()
+            self.bytes -= msg.body_size
+            self._drop(msg, "expired")
+            count += 1
+        if not messages:
+            self.timed = self.ttl is not None
+        return count
+
+    def purge(self) -> int:
+        count = len(self.messages)
+        for msg in self.messages:
+            self._forget(msg)
+        self.messages.clear()
+        self.bytes = 0
+        return count
+
+    # -- consumers ---------------------------------------------------------------------
+
+    def add_consumer(self, consumer: Consumer) -> None:
+        if self.exclusive_consumer is not None:
+            raise errors.AccessRefused(
+                f"queue '{self.name}' in vhost '{self.vhost.name}' in exclusive use"
+            )
+        if consumer.exclusive and self.consumers:
+            raise errors.AccessRefused(
+                f"queue '{self.name}' in vhost '{self.vhost.name}' in use, cannot consume "
+                "exclusively"
+            )
+        if consumer.exclusive:
+            self.exclusive_consumer = consumer
+        self.consumers.append(consumer)
+        self.had_consumer = True
+
+    def remove_consumer(self, consumer: Consumer) -> None:
+        if consumer in self.consumers:
+            self.consumers.remove(consumer)
+        if self.exclusive_consumer is consumer:
+            self.exclusive_consumer = None
+        self.last_used = self.vhost.clock()
+        if self.auto_delete and self.had_consumer and not self.consumers:
+            self.vhost.delete_queue(self)
+
+    def touch(self) -> None:
+        self.last_used = self.vhost.clock()
+
+    def idle_expired(self, now: int) -> bool:
+        return (
+            self.expires is not None
+            and not self.consumers
+            and now - self.last_used >= self.expires
+        )
+
+    def on_deleted(self, notify: Callable[[Consumer], None] | None = None) -> None:
+        self.deleted = True
+        for c in list(self.consumers):
+            c.cancelled_by_broker(self)
+        self.consumers.clear()
+        for msg in self.messages:
+            msg.refs -= 1
+        self.messages.clear()
+        self.bytes = 0

@@ -1,0 +1,280 @@
+"""One broker node: wires the model, the store, the AMQP listeners and the admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import ssl
+from pathlib import Path
+from typing import Any
+
+from tandem import errors
+from tandem.broker import admin, server
+from tandem.broker.config import Config
+from tandem.broker.model.auth import Permission
+from tandem.broker.model.broker import Broker
+from tandem.broker.protocol import connection as conn_mod
+from tandem.broker.store.log import Store
+
+log = logging.getLogger(__name__)
+
+SWEEP_SECONDS = 1.0
+ALARM_SECONDS = 1.0
+
+
+def _machine_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+class Node:
+    """Implements the protocol layer's Hub port."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.store: Store | None = None
+        if cfg.data_dir is not None:
+            self.store = Store(cfg.data_dir, fsync=cfg.fsync, segment_bytes=cfg.segment_bytes)
+        self.broker = Broker(self.store)
+        self.limits = conn_mod.Limits(
+            frame_max=cfg.frame_max, channel_max=cfg.channel_max, heartbeat=cfg.heartbeat,
+            max_message_size=cfg.max_message_size, cluster_name=cfg.node_id)
+        self.blocked_reason: str | None = None
+        self.alarms: dict[str, str] = {}
+        self.reply_to: dict[str, conn_mod.Consumer] = {}
+        self.connections: set[server.AMQPProtocol] = set()
+        self.ready = False
+        self.amqp_port = 0
+        self.tls_port: int | None = None
+        self.admin_port = 0
+        self.memory_limit = cfg.memory_high_watermark or int(_machine_memory() * 0.4)
+        self._auth_file = cfg.data_dir / "auth.json" if cfg.data_dir else None
+        self._setup_auth()
+
+    # -- users and vhosts --
+
+    def _setup_auth(self) -> None:
+        users = self.broker.users
+        cfg = self.cfg
+        for name in cfg.vhosts:
+            self.broker.add_vhost(name)
+        if not cfg.users:
+            users.add("guest", password="guest", tags=["administrator"],
+                      loopback_only=not cfg.guest_remote)
+            for name in cfg.vhosts:
+                users.set_permission("guest", name, Permission())
+        for u in cfg.users:
+            users.add(u.name, password=u.password, password_hash=u.password_hash, tags=u.tags,
+                      loopback_only=u.name == "guest" and not cfg.guest_remote)
+        for p in cfg.permissions:
+            if p.user not in users.users:
+                raise errors.ConfigError(f"permissions: unknown user '{p.user}'")
+            self.broker.add_vhost(p.vhost)
+            users.set_permission(p.user, p.vhost, Permission(p.configure, p.write, p.read))
+        if self._auth_file is not None and self._auth_file.exists():
+            self._load_auth(json.loads(self._auth_file.read_text()))
+
+    def _load_auth(self, data: dict[str, Any]) -> None:
+        users = self.broker.users
+        users.users.clear()
+        users.permissions.clear()
+        for name in data.get("vhosts", []):
+            self.broker.add_vhost(name)
+        for u in data.get("users", []):
+            users.add(u["name"], password_hash=u["password_hash"], tags=u.get("tags", []),
+                      loopback_only=u["name"] == "guest" and not self.cfg.guest_remote)
+        for p in data.get("permissions", []):
+            users.set_permission(p["user"], p["vhost"],
+                                 Permission(p["configure"], p["write"], p["read"]))
+
+    def save_auth(self) -> None:
+        """Persist users, vhosts and permissions changed at runtime."""
+        if self._auth_file is None:
+            return
+        users = self.broker.users
+        data = {
+            "vhosts": sorted(self.broker.vhosts),
+            "users": [u.as_dict() for u in users.users.values()],
+            "permissions": [
+                {"user": user, "vhost": vhost, "configure": p.configure, "write": p.write,
+                 "read": p.read}
+                for (user, vhost), p in users.permissions.items()
+            ],
+        }
+        tmp = self._auth_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self._auth_file)
+
+    def delete_vhost(self, name: str) -> bool:
+        for proto in list(self.connections):
+            if proto.conn is not None and proto.conn.vhost_name == name:
+                proto.conn.force_close(320, f"vhost '{name}' is deleted")
+        ok = self.broker.delete_vhost(name)
+        for key in [k for k in self.broker.users.permissions if k[1] == name]:
+            del self.broker.users.permissions[key]
+        return ok
+
+    # -- Hub port --
+
+    def connection_closed(self, conn: conn_mod.Connection) -> None:
+        pass
+
+    # -- alarms --
+
+    def set_alarm(self, name: str, reason: str | None) -> None:
+        if reason is None:
+            if self.alarms.pop(name, None) is not None:
+                log.warning("%s alarm cleared", name)
+        elif name not in self.alarms:
+            log.warning("%s alarm set: %s; publishers are blocked", name, reason)
+            self.alarms[name] = reason
+        was = self.blocked_reason
+        self.blocked_reason = "; ".join(self.alarms.values()) or None
+        if was is None and self.blocked_reason is not None:
+            for proto in list(self.connections):
+                if proto.conn is not None:
+                    proto.conn.notify_blocked(self.blocked_reason)
+        elif was is not None and self.blocked_reason is None:
+            for proto in list(self.connections):
+                if proto.conn is not None:
+                    proto.conn.unblock()
+
+    def check_alarms(self) -> None:
+        rss = _rss()
+        self.set_alarm("memory", f"memory in use {rss} above the high watermark "
+                       f"{self.memory_limit}" if rss > self.memory_limit else None)
+        if self.cfg.data_dir is not None:
+            free = shutil.disk_usage(self.cfg.data_dir).free
+            self.set_alarm("disk", f"free disk space {free} below the limit "
+                           f"{self.cfg.disk_free_limit}"
+                           if free < self.cfg.disk_free_limit else None)
+
+    # -- status --
+
+    def status(self) -> dict[str, Any]:
+        journal = self.broker.journal
+        queues = [
+            {"vhost": vh.name, "name": q.name, "depth": q.depth, "ready": len(q.messages),
+             "unacked": q.unacked, "consumers": len(q.consumers), "durable": q.durable,
+             "replicate": q.replicate}
+            for vh in self.broker.vhosts.values() for q in vh.queues.values()
+        ]
+        return {
+            "node": self.cfg.node_id,
+            "role": "standalone",
+            "epoch": journal.epoch,
+            "position": journal.offset,
+            "primary": self.cfg.node_id,
+            "amqp_port": self.amqp_port,
+            "admin_port": self.admin_port,
+            "connections": len(self.connections),
+            "alarms": dict(self.alarms),
+            "queues": queues,
+        }
+
+    # -- running --
+
+    def _tls_context(self) -> ssl.SSLContext | None:
+        cfg = self.cfg
+        if not (cfg.tls_certfile and cfg.tls_keyfile):
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(cfg.tls_certfile, cfg.tls_keyfile)
+            if cfg.tls_cafile:
+                ctx.load_verify_locations(cfg.tls_cafile)
+        except (OSError, ssl.SSLError) as exc:
+            raise errors.ConfigError(f"cannot load the TLS certificate or key: {exc}") from exc
+        if cfg.tls_verify_peer:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+        if self.store is not None:
+            result = self.store.open(self.broker, loop)
+            self.store.on_write_error = lambda err: self.set_alarm(
+                "disk", None if err is None else f"cannot write the log: {err}")
+            admin.bind_store_metrics(self.store)
+            log.info("recovered %d records and %d messages from %s", result.records,
+                     result.messages, self.cfg.data_dir)
+        cfg = self.cfg
+        tls = self._tls_context()
+        amqp = await server.serve(self.broker, self, self.limits, cfg.host, cfg.amqp_port,
+                                  self.connections, cfg.max_connections)
+        self.amqp_port = amqp.sockets[0].getsockname()[1]
+        servers = [amqp]
+        if tls is not None:
+            amqps = await server.serve(self.broker, self, self.limits, cfg.host,
+                                       cfg.tls_port or 0, self.connections,
+                                       cfg.max_connections, ssl=tls)
+            self.tls_port = amqps.sockets[0].getsockname()[1]
+            servers.append(amqps)
+        runner, self.admin_port = await admin.start(self, cfg.admin_host, cfg.admin_port)
+        self._announce()
+        self.ready = True
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._every(SWEEP_SECONDS, self.broker.sweep, stop))
+                tg.create_task(self._every(ALARM_SECONDS, self.check_alarms, stop))
+                await stop.wait()
+        finally:
+            self.ready = False
+            log.info("node %s stopping", cfg.node_id)
+            for srv in servers:
+                srv.close()
+            for proto in list(self.connections):
+                if proto.conn is not None:
+                    proto.conn.force_close(320, "CONNECTION_FORCED - broker shutdown")
+                    proto.flush()
+            await self._drain_store()
+            await runner.cleanup()
+            if self.store is not None:
+                self.store.close()
+
+    async def _drain_store(self) -> None:
+        if self.store is None:
+            return
+        done = asyncio.Event()
+        self.store.when_synced(done.set)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), 10)
+
+    async def _every(self, seconds: float, fn: Any, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                fn()
+            except Exception:
+                log.exception("unexpected error, please report it as a bug: %s", fn.__name__)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), seconds)
+
+    def _announce(self) -> None:
+        ports = {"amqp": self.amqp_port, "admin": self.admin_port, "amqps": self.tls_port,
+                 "pid": os.getpid(), "node": self.cfg.node_id}
+        line = (f"tandem node {self.cfg.node_id} ready: amqp={self.amqp_port} "
+                f"admin={self.admin_port}" + (f" amqps={self.tls_port}" if self.tls_port else ""))
+        print(line, flush=True)
+        log.info("%s", line)
+        if self.cfg.data_dir is not None:
+            path = Path(self.cfg.data_dir) / "ports.json"
+            path.write_text(json.dumps(ports))

@@ -1,0 +1,91 @@
+"""Frame layout, the hot-path encoders and the pamqp-backed slow path.
+
+Publish, deliver and ack are encoded and parsed here by hand with precompiled structs; every
+other method goes through pamqp (`method_bytes`, `decode_method`).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from pamqp import commands, frame
+
+from tandem import errors
+
+PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
+FRAME_METHOD = 1
+FRAME_HEADER = 2
+FRAME_BODY = 3
+FRAME_HEARTBEAT = 8
+FRAME_END = 0xCE
+FRAME_END_BYTE = b"\xce"
+FRAME_MIN_SIZE = 4096
+
+FRAME_HDR = struct.Struct(">BHI")
+METHOD_IDS = struct.Struct(">HH")
+METHOD_HDR = struct.Struct(">BHIHH")
+CONTENT_HDR = struct.Struct(">BHIHHQ")
+HEADER_PAYLOAD = struct.Struct(">HHQ")
+U64_U8 = struct.Struct(">QB")
+U64_U8_U32 = struct.Struct(">QB")
+
+HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
+
+# (class_id, method_id) of the hot-path methods
+BASIC = 60
+BASIC_PUBLISH = 40
+BASIC_DELIVER = 60
+BASIC_ACK = 80
+BASIC_GET_OK = 71
+
+
+def method_bytes(channel: int, method: Any) -> bytes:
+    """Encode a pamqp method as one frame."""
+    return frame.marshal(method, channel)  # type: ignore[no-any-return]
+
+
+def decode_method(class_id: int, method_id: int, payload: bytes) -> Any:
+    """Decode a method's arguments (the bytes after class and method ids) with pamqp."""
+    cls = commands.INDEX_MAPPING.get((class_id << 16) | method_id)
+    if cls is None:
+        raise errors.NotImplemented_(f"unknown method class {class_id} method {method_id}",
+                                     class_id, method_id)
+    method = cls()
+    try:
+        method.unmarshal(payload)
+    except Exception as exc:
+        raise errors.SyntaxError_(
+            f"malformed {cls.name} arguments: {exc}", class_id, method_id
+        ) from exc
+    return method
+
+
+def content_frames(channel: int, props: bytes, body: bytes | list[bytes], body_size: int,
+                   frame_max: int) -> list[bytes]:
+    """The header and body frames for a message (used outside the single-chunk fast path)."""
+    out = [CONTENT_HDR.pack(FRAME_HEADER, channel, 12 + len(props), BASIC, 0, body_size),
+           props, FRAME_END_BYTE]
+    limit = frame_max - 8
+    chunks = [body] if isinstance(body, bytes) else body
+    for chunk in chunks:
+        if len(chunk) <= limit:
+            if chunk:
+                out += (FRAME_HDR.pack(FRAME_BODY, channel, len(chunk)), chunk, FRAME_END_BYTE)
+            continue
+        view = memoryview(chunk)
+        for start in range(0, len(chunk), limit):
+            piece = view[start : start + limit]
+            out += (FRAME_HDR.pack(FRAME_BODY, channel, len(piece)), bytes(piece),
+                    FRAME_END_BYTE)
+    return out
+
+
+def basic_ack_frame(channel: int, tag: int, multiple: bool) -> bytes:
+    return (METHOD_HDR.pack(FRAME_METHOD, channel, 13, BASIC, BASIC_ACK)
+            + U64_U8.pack(tag, 1 if multiple else 0) + FRAME_END_BYTE)
+
+
+def basic_nack_frame(channel: int, tag: int, multiple: bool) -> bytes:
+    return (METHOD_HDR.pack(FRAME_METHOD, channel, 13, BASIC, 120)
+            + U64_U8.pack(tag, 1 if multiple else 0) + FRAME_END_BYTE)

@@ -1,0 +1,144 @@
+"""asyncio sockets for AMQP: one protocol object per connection, one write per loop turn."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from typing import Any
+
+from tandem.broker.model.broker import Broker
+from tandem.broker.protocol import connection as conn_mod
+
+log = logging.getLogger(__name__)
+
+WRITE_HIGH_WATER = 4 * 1024 * 1024
+HANDSHAKE_TIMEOUT = 10.0
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class AMQPProtocol(asyncio.Protocol):
+    """Glue between an asyncio transport and a protocol.connection.Connection."""
+
+    def __init__(self, broker: Broker, hub: conn_mod.Hub, limits: conn_mod.Limits,
+                 registry: set[AMQPProtocol], max_connections: int) -> None:
+        self.broker = broker
+        self.hub = hub
+        self.limits = limits
+        self.registry = registry
+        self.max_connections = max_connections
+        self.transport: asyncio.Transport | None = None
+        self.conn: conn_mod.Connection | None = None
+        self.flush_scheduled = False
+        self.closing = False
+        self.loop = asyncio.get_running_loop()
+        self.hb_handle: asyncio.TimerHandle | None = None
+        self.hs_handle: asyncio.TimerHandle | None = None
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        peername = transport.get_extra_info("peername") or ("?", 0)
+        host = str(peername[0])
+        self.conn = conn_mod.Connection(
+            self.broker, self.hub, self, f"{host}:{peername[1]}", is_loopback(host), self.limits)
+        if len(self.registry) >= self.max_connections:
+            log.warning("refusing connection from %s: connection limit %d reached",
+                        self.conn.peer, self.max_connections)
+            transport.close()
+            return
+        self.registry.add(self)
+        self.hs_handle = self.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        assert conn is not None
+        conn.feed(data)
+        if self.hb_handle is None and conn.state == "running":
+            if self.hs_handle is not None:
+                self.hs_handle.cancel()
+                self.hs_handle = None
+            if conn.heartbeat:
+                self.hb_handle = self.loop.call_later(conn.heartbeat / 2, self._heartbeat)
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.registry.discard(self)
+        for handle in (self.hb_handle, self.hs_handle):
+            if handle is not None:
+                handle.cancel()
+        if self.conn is not None:
+            self.conn.lost()
+
+    def pause_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.set_writable(False)
+
+    def resume_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.set_writable(True)
+
+    # connection.Transport port
+
+    def wake(self) -> None:
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self.flush_scheduled = False
+        if self.conn is None or self.transport is None or self.transport.is_closing():
+            return
+        data = self.conn.take_output()
+        if data:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        if self.transport is not None:
+            self.transport.close()
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    # timers
+
+    def _heartbeat(self) -> None:
+        conn = self.conn
+        if conn is None or self.transport is None:
+            return
+        if not conn.tick():
+            self.transport.abort()
+            return
+        self.hb_handle = self.loop.call_later(conn.heartbeat / 2, self._heartbeat)
+
+    def _handshake_timeout(self) -> None:
+        self.hs_handle = None
+        if self.conn is not None and self.conn.state != "running" and self.transport:
+            log.warning("closing connection %s: handshake timeout", self.conn.peer)
+            self.conn.lost()
+            self.transport.abort()
+
+
+async def serve(broker: Broker, hub: conn_mod.Hub, limits: conn_mod.Limits, host: str,
+                port: int, registry: set[AMQPProtocol], max_connections: int,
+                ssl: Any = None) -> asyncio.Server:
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(
+        lambda: AMQPProtocol(broker, hub, limits, registry, max_connections),
+        host, port, ssl=ssl, reuse_address=True, backlog=1024)

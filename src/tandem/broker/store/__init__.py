@@ -1,0 +1,1 @@
+"""The node's log and definitions on disk; crash recovery; compaction."""

@@ -1,0 +1,1 @@
+"""Failover logic, pure: model, ranking, the decision function, fencing rules (to come)."""
