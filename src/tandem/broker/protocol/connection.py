@@ -308,7 +308,8 @@ class Connection:
         self.blocked_sent = False
         self.paused_for_alarm = False
         self.close_reason = ""
-        self.name_cache: dict[bytes, str] = {}
+        self.name_cache: dict[bytes, tuple[str, str, bytes]] = {}
+        self.props_cache: dict[bytes, bytes] = {}
 
     # -- output --
 
@@ -1011,15 +1012,14 @@ class Connection:
             raise errors.SyntaxError_("truncated basic.publish", 60, 40)
         route = bytes(buf[pos + 2 : bits_pos])
         cache = self.name_cache
-        ename = cache.get(route)
-        if ename is None or len(cache) > 10000:
+        names = cache.get(route)
+        if names is None:
             if len(cache) > 10000:
                 cache.clear()
-            ex_raw = route[1 : 1 + elen]
-            rk_raw = route[2 + elen :]
-            ename = ex_raw.decode(errors="replace") + "\x00" + rk_raw.decode(errors="replace")
-            cache[route] = ename
-        exchange, _, rk = ename.partition("\x00")
+            names = (route[1 : 1 + elen].decode(errors="replace"),
+                     route[2 + elen :].decode(errors="replace"), route)
+            cache[route] = names
+        exchange, rk, route = names  # the cached route object: one copy for every message
         bits = buf[bits_pos]
         ex = ch.vhost.exchanges.get(exchange)
         if ex is None:
@@ -1055,7 +1055,14 @@ class Connection:
                 f"{self.limits.max_message_size}", 60, 40))
             self.closing_channels.add(number)
             return
-        ch.pub_props = bytes(buf[start + 12 : end])
+        props = bytes(buf[start + 12 : end])
+        if len(props) <= 32:
+            # Small property blobs repeat (often just the flags); keep one copy of each.
+            cache = self.props_cache
+            props = cache.setdefault(props, props)
+            if len(cache) > 1000:
+                cache.clear()
+        ch.pub_props = props
         ch.pub_size = size
         ch.pub_received = 0
         if size == 0:
