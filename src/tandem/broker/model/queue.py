@@ -78,6 +78,10 @@ class PriorityBuffer:
 
 
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
+# Arguments whose values must match on redeclare; RabbitMQ ignores the ones it does not know.
+EQUIVALENCE_ARGS = ("x-message-ttl", "x-expires", "x-max-length", "x-max-length-bytes",
+                    "x-overflow", "x-dead-letter-exchange", "x-dead-letter-routing-key",
+                    "x-max-priority", "x-queue-type", "x-tandem-replicate")
 REPLICATE_MODES = ("none", "configuration", "all")
 
 
@@ -171,8 +175,8 @@ class Queue:
             return f"inequivalent arg 'auto_delete' for queue '{self.name}' in vhost "\
                 f"'{self.vhost.name}': received '{str(auto_delete).lower()}' but current is "\
                 f"'{str(self.auto_delete).lower()}'"
-        for key in set(arguments) | set(self.arguments):
-            if key.startswith("x-") and arguments.get(key) != self.arguments.get(key):
+        for key in EQUIVALENCE_ARGS:
+            if arguments.get(key) != self.arguments.get(key):
                 return f"inequivalent arg '{key}' for queue '{self.name}' in vhost "\
                     f"'{self.vhost.name}': received {arguments.get(key)!r} but current is "\
                     f"{self.arguments.get(key)!r}"

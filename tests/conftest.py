@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import BUG_PHRASE, Broker
+
+
+@pytest.fixture
+def broker_factory(tmp_path: Path) -> Iterator[type]:
+    """Start brokers with a given config; stops them and checks their logs afterwards."""
+    started: list[Broker] = []
+
+    def make(config: dict | None = None, name: str = "node") -> Broker:
+        b = Broker(tmp_path / name, config)
+        started.append(b)
+        return b.start()
+
+    yield make  # type: ignore[misc]
+    for b in started:
+        b.stop()
+        assert BUG_PHRASE not in b.log(), b.log()
+
+
+@pytest.fixture
+def broker(broker_factory) -> Broker:  # type: ignore[no-untyped-def]
+    return broker_factory()  # type: ignore[no-any-return]

@@ -1,0 +1,228 @@
+"""Test support: a real `tandem broker` subprocess and a raw AMQP socket client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pamqp import commands, frame, header
+
+BUG_PHRASE = "unexpected error, please report it as a bug"
+
+
+def wait_for_amqp(port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None
+                  ) -> None:
+    """Readiness by speaking the protocol: send the header, expect connection.start."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"broker exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(b"AMQP\x00\x00\x09\x01")
+                data = s.recv(7)
+                if len(data) == 7 and data[0] == 1:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no AMQP on port {port}")
+        time.sleep(0.02)  # polling interval while the process boots, not synchronisation
+
+
+class Broker:
+    """`tandem broker` as a subprocess on free ports."""
+
+    def __init__(self, data_dir: Path, config: dict[str, Any] | None = None,
+                 node_id: str = "test-1") -> None:
+        self.data_dir = data_dir
+        self.config = config
+        self.node_id = node_id
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self.amqp_port = 0
+        self.admin_port = 0
+        self.starts = 0
+
+    def start(self) -> Broker:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        ports = self.data_dir / "ports.json"
+        if ports.exists():
+            ports.unlink()
+        cmd = [sys.executable, "-m", "tandem.cli", "broker", "--amqp-port", "0",
+               "--admin-port", "0", "--data-dir", str(self.data_dir), "--node-id",
+               self.node_id]
+        if self.config is not None:
+            cfg = self.data_dir.parent / f"{self.data_dir.name}.yaml"
+            cfg.write_text(yaml.safe_dump(self.config))
+            cmd += ["--config", str(cfg)]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.starts += 1
+        deadline = time.monotonic() + 30
+        while not ports.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited: {self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(self.log())
+            time.sleep(0.02)
+        info = json.loads(ports.read_text())
+        self.amqp_port = info["amqp"]
+        self.admin_port = info["admin"]
+        self.tls_port = info.get("amqps")
+        wait_for_amqp(self.amqp_port, proc=self.proc)
+        return self
+
+    def stop(self) -> int:
+        if self.proc is None:
+            return 0
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(30)
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self.proc = None
+
+    def restart(self) -> Broker:
+        self.stop()
+        return self.start()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def url(self, user: str = "guest", password: str = "guest", vhost: str = "%2F") -> str:
+        return f"amqp://{user}:{password}@127.0.0.1:{self.amqp_port}/{vhost}"
+
+    def http(self, method: str, path: str, body: Any = None, token: str | None = None
+             ) -> tuple[int, Any]:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.admin_port}{path}", method=method,
+            data=json.dumps(body).encode() if body is not None else None)
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                raw = resp.read()
+                ctype = resp.headers.get("Content-Type", "")
+                return resp.status, json.loads(raw) if "json" in ctype else raw.decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+
+    def status(self) -> dict[str, Any]:
+        code, body = self.http("GET", "/status")
+        assert code == 200, body
+        return body  # type: ignore[no-any-return]
+
+    def queue(self, name: str, vhost: str = "/") -> dict[str, Any]:
+        for q in self.status()["queues"]:
+            if q["name"] == name and q["vhost"] == vhost:
+                return q  # type: ignore[no-any-return]
+        raise KeyError(name)
+
+
+class RawClient:
+    """A bare AMQP client over a socket, for sending what real clients never would."""
+
+    def __init__(self, port: int, timeout: float = 5.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send_method(self, channel: int, method: Any) -> None:
+        self.send(frame.marshal(method, channel))
+
+    def recv_frame(self) -> tuple[int, Any]:
+        while True:
+            if len(self.buf) >= 7:
+                size = struct.unpack(">I", self.buf[3:7])[0]
+                if len(self.buf) >= size + 8:
+                    consumed, channel, value = frame.unmarshal(self.buf)
+                    self.buf = self.buf[consumed:]
+                    return channel, value
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("closed by the broker")
+            self.buf += data
+
+    def recv_raw(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            data = self.sock.recv(65536)
+            if not data:
+                break
+            self.buf += data
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def expect(self, kind: type) -> Any:
+        while True:
+            _ch, value = self.recv_frame()
+            if isinstance(value, kind):
+                return value
+            if isinstance(value, commands.Connection.Close) and kind is not \
+                    commands.Connection.Close:
+                raise AssertionError(f"connection closed: {value.reply_code} {value.reply_text}")
+
+    def closed(self) -> bool:
+        """True once the broker has closed the socket (waits up to the socket timeout)."""
+        try:
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    return True
+                self.buf += data
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+
+    def handshake(self, user: str = "guest", password: str = "guest", vhost: str = "/",
+                  heartbeat: int = 0, frame_max: int = 131072) -> None:
+        self.send(b"AMQP\x00\x00\x09\x01")
+        self.expect(commands.Connection.Start)
+        self.send_method(0, commands.Connection.StartOk(
+            client_properties={"capabilities": {"connection.blocked": True,
+                                                "consumer_cancel_notify": True}},
+            mechanism="PLAIN", response=f"\x00{user}\x00{password}", locale="en_US"))
+        tune = self.expect(commands.Connection.Tune)
+        self.send_method(0, commands.Connection.TuneOk(tune.channel_max, frame_max,
+                                                       heartbeat))
+        self.send_method(0, commands.Connection.Open(vhost))
+        self.expect(commands.Connection.OpenOk)
+
+    def open_channel(self, number: int = 1) -> None:
+        self.send_method(number, commands.Channel.Open())
+        self.expect(commands.Channel.OpenOk)
+
+    def publish(self, channel: int, exchange: str, routing_key: str, body: bytes,
+                props: commands.Basic.Properties | None = None) -> None:
+        self.send_method(channel, commands.Basic.Publish(exchange=exchange,
+                                                         routing_key=routing_key))
+        self.send(frame.marshal(header.ContentHeader(0, len(body),
+                                                     props or commands.Basic.Properties()),
+                                channel))
+        from pamqp import body as body_mod
+        if body:
+            self.send(frame.marshal(body_mod.ContentBody(body), channel))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def env_without_proxy() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
