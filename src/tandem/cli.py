@@ -132,7 +132,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        # `ctl VERB -p VHOST ARGS...`: positionals after an option arrive here.
+        if args.command != "ctl" or any(e.startswith("-") and e != "-" for e in extra):
+            p.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.args += extra
     return int(args.func(args))
 
 

@@ -42,7 +42,8 @@ class Permission:
         pattern: str = getattr(self, what)
         if pattern == "":
             return False
-        return re.fullmatch(pattern, name) is not None if pattern != ".*" else True
+        # RabbitMQ matches permission patterns unanchored: "^app\\." allows "app.jobs".
+        return pattern == ".*" or re.search(pattern, name) is not None
 
 
 @dataclass(slots=True)
