@@ -44,12 +44,13 @@ class Broker:
     """`tandem broker` as a subprocess on free ports."""
 
     def __init__(self, data_dir: Path, config: dict[str, Any] | None = None,
-                 node_id: str = "test-1") -> None:
+                 node_id: str = "test-1", log_dir: Path | None = None) -> None:
         self.data_dir = data_dir
         self.config = config
         self.node_id = node_id
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self.log_dir = log_dir or data_dir.parent
+        self.log_path = self.log_dir / f"{data_dir.name}.log"
         self.amqp_port = 0
         self.admin_port = 0
         self.starts = 0
@@ -63,7 +64,7 @@ class Broker:
                "--admin-port", "0", "--data-dir", str(self.data_dir), "--node-id",
                self.node_id]
         if self.config is not None:
-            cfg = self.data_dir.parent / f"{self.data_dir.name}.yaml"
+            cfg = self.log_dir / f"{self.data_dir.name}.yaml"
             cfg.write_text(yaml.safe_dump(self.config))
             cmd += ["--config", str(cfg)]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it

@@ -213,7 +213,7 @@ class Node:
         if self.store is not None:
             result = self.store.open(self.broker, loop)
             self.store.on_write_error = lambda err: self.set_alarm(
-                "disk", None if err is None else f"cannot write the log: {err}")
+                "log", None if err is None else f"cannot write the log: {err}")
             admin.bind_store_metrics(self.store)
             log.info("recovered %d records and %d messages from %s", result.records,
                      result.messages, self.cfg.data_dir)

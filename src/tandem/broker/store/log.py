@@ -285,6 +285,9 @@ class Store:
             if oldest == self.active or oldest in busy:
                 break
             self._carry_forward(oldest)
+            # Deleted only after the batch holding the carried records is on disk.
+            del self.segments[oldest]
+            self.pending.deletes.append(oldest)
         for seg in list(self.segments):
             if seg == self.active or seg in busy or self.segments[seg] > 0:
                 break
