@@ -60,9 +60,10 @@ class Broker:
         ports = self.data_dir / "ports.json"
         if ports.exists():
             ports.unlink()
-        cmd = [sys.executable, "-m", "tandem.cli", "broker", "--amqp-port", "0",
-               "--admin-port", "0", "--data-dir", str(self.data_dir), "--node-id",
-               self.node_id]
+        # A restart keeps the ports, as a real node's address stays the same.
+        cmd = [sys.executable, "-m", "tandem.cli", "broker", "--amqp-port",
+               str(self.amqp_port), "--admin-port", str(self.admin_port), "--data-dir",
+               str(self.data_dir), "--node-id", self.node_id]
         if self.config is not None:
             cfg = self.log_dir / f"{self.data_dir.name}.yaml"
             cfg.write_text(yaml.safe_dump(self.config))
