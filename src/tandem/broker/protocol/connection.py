@@ -352,6 +352,10 @@ class Connection:
             self._frames()
         except errors.AMQPError as err:
             self._error(0, err)
+        except Exception as exc:
+            log.exception("unexpected error, please report it as a bug: connection %s",
+                          self._who())
+            self._error(0, errors.InternalError(f"internal error: {exc.__class__.__name__}"))
         self._after_batch()
 
     def _frames(self) -> None:
@@ -375,15 +379,19 @@ class Connection:
                 start = pos + 7
                 pos = end + 1
                 if self.state == "closing" or self.state == "closed":
-                    if ftype == 1 and ch == 0:
+                    if ftype == 1 and ch == 0 and size >= 4:
                         self._closing_method(buf, start, end)
                     continue
                 if ftype == 1:
+                    if size < 4:
+                        raise errors.FrameError(f"method frame of {size} bytes is too short")
                     if ch and ch in self.closing_channels:
                         self._closing_channel_method(ch, buf, start, end)
                         continue
                     self._method(ch, buf, start, end)
                 elif ftype == 2:
+                    if size < 14:
+                        raise errors.FrameError(f"content header of {size} bytes is too short")
                     self._content_header(ch, buf, start, end)
                 elif ftype == 3:
                     self._content_body(ch, bytes(buf[start:end]))
@@ -445,7 +453,6 @@ class Connection:
                                                       err.method_id))
         self.state = "closing"
         self._teardown(err.reply_text())
-        self.buf.clear()
 
     def force_close(self, code: int, text: str) -> None:
         """The node closes this connection (shutdown, lost primacy, management)."""
@@ -582,6 +589,8 @@ class Connection:
                         self._publish(channel, buf, start + 4, end)
                         return
                     if method_id == 80:
+                        if end - start < 13:
+                            raise errors.SyntaxError_("truncated basic.ack", 60, 80)
                         tag, bits = U64_U8.unpack_from(buf, start + 4)
                         self._ack(channel, tag, bool(bits & 1))
                         return

@@ -1,0 +1,162 @@
+"""Hypothesis fuzz of the connection state machine: mutated valid frames never crash it.
+
+The broker must answer any byte sequence with the specified error and keep its state sound;
+an exception escaping `feed` would kill the connection's task in a real server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pamqp import body, commands, frame, header
+
+from tandem.broker.model.auth import Permission
+from tandem.broker.model.broker import Broker
+from tandem.broker.protocol.connection import Connection
+
+EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "10000"))
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class FakeHub:
+    blocked_reason = None
+
+    def __init__(self) -> None:
+        self.reply_to: dict = {}
+
+    def connection_closed(self, conn: Connection) -> None:
+        pass
+
+
+def handshake() -> bytes:
+    return b"".join([
+        b"AMQP\x00\x00\x09\x01",
+        frame.marshal(commands.Connection.StartOk(mechanism="PLAIN",
+                                                  response="\x00guest\x00guest"), 0),
+        frame.marshal(commands.Connection.TuneOk(2047, 131072, 0), 0),
+        frame.marshal(commands.Connection.Open("/"), 0),
+    ])
+
+
+def msg(ch: int, rk: str, payload: bytes, props: commands.Basic.Properties) -> bytes:
+    return b"".join([
+        frame.marshal(commands.Basic.Publish(exchange="", routing_key=rk), ch),
+        frame.marshal(header.ContentHeader(0, len(payload), props), ch),
+        frame.marshal(body.ContentBody(payload), ch) if payload else b"",
+    ])
+
+
+VALID = [
+    frame.marshal(commands.Channel.Open(), 1),
+    frame.marshal(commands.Queue.Declare(queue="q"), 1),
+    frame.marshal(commands.Queue.Declare(queue="q2", arguments={"x-max-length": 1}), 1),
+    frame.marshal(commands.Exchange.Declare(exchange="e", exchange_type="topic"), 1),
+    frame.marshal(commands.Queue.Bind(queue="q", exchange="e", routing_key="a.#"), 1),
+    frame.marshal(commands.Confirm.Select(), 1),
+    frame.marshal(commands.Basic.Qos(prefetch_count=1), 1),
+    frame.marshal(commands.Basic.Consume(queue="q", consumer_tag="c"), 1),
+    frame.marshal(commands.Basic.Ack(delivery_tag=1), 1),
+    frame.marshal(commands.Basic.Nack(delivery_tag=0, multiple=True), 1),
+    frame.marshal(commands.Basic.Get(queue="q"), 1),
+    frame.marshal(commands.Basic.Cancel(consumer_tag="c"), 1),
+    frame.marshal(commands.Queue.Purge(queue="q"), 1),
+    frame.marshal(commands.Tx.Select(), 1),
+    frame.marshal(commands.Channel.Close(200, "", 0, 0), 1),
+    frame.marshal(commands.Channel.CloseOk(), 1),
+    msg(1, "q", b"hello", commands.Basic.Properties(delivery_mode=2, expiration="5")),
+    msg(1, "q2", b"", commands.Basic.Properties(headers={"a": [1, "b"]}, priority=3)),
+    b"\x08\x00\x00\x00\x00\x00\x00\xce",
+]
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> bytes:
+    parts = draw(st.lists(st.sampled_from(VALID), min_size=1, max_size=8))
+    data = bytearray(b"".join(parts))
+    for _ in range(draw(st.integers(0, 4))):
+        op = draw(st.sampled_from(["flip", "cut", "insert", "none"]))
+        if not data:
+            break
+        i = draw(st.integers(0, len(data) - 1))
+        if op == "flip":
+            data[i] ^= draw(st.integers(1, 255))
+        elif op == "cut":
+            del data[i : i + draw(st.integers(1, 16))]
+        elif op == "insert":
+            data[i:i] = draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)
+
+
+def new_connection() -> tuple[Connection, FakeTransport]:
+    broker = Broker()
+    broker.add_vhost("/")
+    broker.users.add("guest", password="guest")
+    broker.users.set_permission("guest", "/", Permission())
+    t = FakeTransport()
+    conn = Connection(broker, FakeHub(), t, "fuzz:1", True)
+    conn.feed(handshake())
+    assert conn.state == "running"
+    return conn, t
+
+
+class _Reports(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "please report it as a bug" in text:
+            self.records.append(text + "\n" + (self.format(record) if record.exc_info else ""))
+
+
+@contextlib.contextmanager
+def _capture_bug_reports() -> Iterator[list[str]]:
+    handler = _Reports()
+    logger = logging.getLogger("tandem")
+    logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=streams(), split=st.integers(1, 64))
+def test_mutated_frames_never_crash_the_state_machine(data: bytes, split: int) -> None:
+    conn, transport = new_connection()
+    with _capture_bug_reports() as reports:
+        for i in range(0, len(data), split):  # arbitrary read boundaries
+            conn.feed(data[i : i + split])
+    assert not reports, reports
+    conn.take_output()
+    assert conn.state in ("running", "closing", "closed")
+    if conn.state != "running":
+        conn.lost()
+    # Every queue's bookkeeping stays sound.
+    for q in conn.broker.vhost("/").queues.values():
+        assert q.unacked >= 0
+        assert q.bytes >= 0
+        assert q.depth >= 0
