@@ -28,8 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def node(script: str, *args: str, timeout: float = 600) -> dict[str, object]:
-    out = subprocess.run(["node", str(ROOT / "bench" / script), *args], capture_output=True,
-                         text=True, timeout=timeout, cwd=ROOT)
+    out = subprocess.run(
+        ["node", str(ROOT / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     if out.returncode != 0:
         raise SystemExit(f"{script} failed: {out.stdout}{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -48,8 +53,10 @@ def ensure_rabbitmq(url: str) -> None:
     if reachable(url):
         return
     if shutil.which("rabbitmq-server") is None:
-        raise SystemExit("RabbitMQ is not running and rabbitmq-server is not installed "
-                         "(apt-get install rabbitmq-server)")
+        raise SystemExit(
+            "RabbitMQ is not running and rabbitmq-server is not installed "
+            "(apt-get install rabbitmq-server)"
+        )
     subprocess.run(["rabbitmq-server", "-detached"], check=False)
     subprocess.run(["rabbitmqctl", "await_startup", "--timeout", "120"], check=True)
 
@@ -70,9 +77,21 @@ class Tandem:
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "broker", "--amqp-port", "0", "--admin-port",
-             "0", "--data-dir", str(self.dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli",
+                "broker",
+                "--amqp-port",
+                "0",
+                "--admin-port",
+                "0",
+                "--data-dir",
+                str(self.dir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         ports = self.dir / "ports.json"
         deadline = time.monotonic() + 30
         while not ports.exists():
@@ -107,8 +126,10 @@ def main() -> int:
                 for name, url in brokers.items():
                     r = node("firehose.js", url, mode, count)
                     results.setdefault((name, mode), []).append(float(r["rate"]))  # type: ignore[arg-type]
-                    print(f"  {mode:10} run {run + 1} {name:8} {float(r['rate']):9.0f} msg/s",
-                          flush=True)
+                    print(
+                        f"  {mode:10} run {run + 1} {name:8} {float(r['rate']):9.0f} msg/s",
+                        flush=True,
+                    )
         print()
         print(f"{'mode':12}{'tandem':>12}{'rabbitmq':>12}{'ratio':>8}   (median msg/s)")
         for mode in modes:
@@ -127,8 +148,11 @@ def main() -> int:
                 before = rss_mb(pids[name])
                 node("fill.js", url, queue, str(args.rss_count), timeout=1800)
                 rss[name] = rss_mb(pids[name])
-                print(f"RSS {name:8} {before:8.0f} MB idle, {rss[name]:8.0f} MB with "
-                      f"{args.rss_count:,} queued transient 100-byte messages", flush=True)
+                print(
+                    f"RSS {name:8} {before:8.0f} MB idle, {rss[name]:8.0f} MB with "
+                    f"{args.rss_count:,} queued transient 100-byte messages",
+                    flush=True,
+                )
                 subprocess.run(["node", "-e", _DELETE, url, queue], check=True, cwd=ROOT)
             print(f"RSS ratio tandem/rabbitmq: {rss['tandem'] / rss['rabbitmq']:.2f}")
     finally:

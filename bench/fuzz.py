@@ -24,9 +24,21 @@ def main() -> int:
     env = dict(os.environ, TANDEM_FUZZ_EXAMPLES=str(args.examples))
     print(f"fuzzing the connection state machine with {args.examples:,} examples", flush=True)
     return subprocess.call(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "0",
-         "--hypothesis-show-statistics", "tests/unit/test_fuzz.py"],
-        cwd=ROOT, env=env)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--timeout",
+            "0",
+            "--hypothesis-show-statistics",
+            "tests/unit/test_fuzz.py",
+        ],
+        cwd=ROOT,
+        env=env,
+    )
 
 
 if __name__ == "__main__":

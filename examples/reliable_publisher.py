@@ -32,17 +32,29 @@ def publish_all(url: str, queue: str, messages: dict[int, bytes], max_wait: floa
             ch.queue_declare(queue, durable=True)
             delay = 0.1
             for msg_id in sorted(pending):
-                ch.basic_publish("", queue, pending[msg_id], pika.BasicProperties(
-                    delivery_mode=pika.DeliveryMode.Persistent, message_id=str(msg_id)))
+                ch.basic_publish(
+                    "",
+                    queue,
+                    pending[msg_id],
+                    pika.BasicProperties(
+                        delivery_mode=pika.DeliveryMode.Persistent, message_id=str(msg_id)
+                    ),
+                )
                 del pending[msg_id]  # basic_publish returned: the broker confirmed it
             conn.close()
-        except (pika.exceptions.AMQPConnectionError, pika.exceptions.AMQPChannelError,
-                pika.exceptions.StreamLostError) as exc:
+        except (
+            pika.exceptions.AMQPConnectionError,
+            pika.exceptions.AMQPChannelError,
+            pika.exceptions.StreamLostError,
+        ) as exc:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(pending)} messages still unconfirmed") from exc
             reconnects += 1
-            print(f"connection lost ({exc.__class__.__name__}); {len(pending)} unconfirmed, "
-                  f"retrying in {delay:.1f}s", flush=True)
+            print(
+                f"connection lost ({exc.__class__.__name__}); {len(pending)} unconfirmed, "
+                f"retrying in {delay:.1f}s",
+                flush=True,
+            )
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
     return reconnects
@@ -57,8 +69,7 @@ def main() -> None:
     args = ap.parse_args()
     messages = {i: f"order {i}".encode() for i in range(args.count)}
     reconnects = publish_all(args.url, args.queue, messages, args.max_wait)
-    print(f"published {args.count} messages, all confirmed ({reconnects} reconnects)",
-          flush=True)
+    print(f"published {args.count} messages, all confirmed ({reconnects} reconnects)", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """RPC over RabbitMQ's direct reply-to (`amq.rabbitmq.reply-to`): no reply queue to declare.
 
-    python examples/rpc.py server --url amqp://guest:guest@127.0.0.1:5672/%2F
-    python examples/rpc.py client --url amqp://guest:guest@127.0.0.1:5672/%2F 10
+python examples/rpc.py server --url amqp://guest:guest@127.0.0.1:5672/%2F
+python examples/rpc.py client --url amqp://guest:guest@127.0.0.1:5672/%2F 10
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ def serve(url: str, queue: str, limit: int) -> None:
 
     def on_request(ch, method, props, body):  # type: ignore[no-untyped-def]
         nonlocal served
-        ch.basic_publish("", props.reply_to, str(fib(int(body))).encode(),
-                         pika.BasicProperties(correlation_id=props.correlation_id))
+        ch.basic_publish(
+            "",
+            props.reply_to,
+            str(fib(int(body))).encode(),
+            pika.BasicProperties(correlation_id=props.correlation_id),
+        )
         ch.basic_ack(method.delivery_tag)
         served += 1
         if limit and served >= limit:
@@ -53,8 +57,9 @@ def call(url: str, queue: str, n: int, timeout: float = 10.0) -> int:
             result.append(int(body))
 
     ch.basic_consume(REPLY_TO, on_reply, auto_ack=True)
-    ch.basic_publish("", queue, str(n).encode(),
-                     pika.BasicProperties(reply_to=REPLY_TO, correlation_id=corr))
+    ch.basic_publish(
+        "", queue, str(n).encode(), pika.BasicProperties(reply_to=REPLY_TO, correlation_id=corr)
+    )
     conn.process_data_events(time_limit=0)
     waited = 0.0
     while not result and waited < timeout:

@@ -20,8 +20,9 @@ from pamqp import commands, frame, header
 BUG_PHRASE = "unexpected error, please report it as a bug"
 
 
-def wait_for_amqp(port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None
-                  ) -> None:
+def wait_for_amqp(
+    port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     """Readiness by speaking the protocol: send the header, expect connection.start."""
     deadline = time.monotonic() + timeout
     while True:
@@ -43,8 +44,13 @@ def wait_for_amqp(port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes
 class Broker:
     """`tandem broker` as a subprocess on free ports."""
 
-    def __init__(self, data_dir: Path, config: dict[str, Any] | None = None,
-                 node_id: str = "test-1", log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        config: dict[str, Any] | None = None,
+        node_id: str = "test-1",
+        log_dir: Path | None = None,
+    ) -> None:
         self.data_dir = data_dir
         self.config = config
         self.node_id = node_id
@@ -61,9 +67,20 @@ class Broker:
         if ports.exists():
             ports.unlink()
         # A restart keeps the ports, as a real node's address stays the same.
-        cmd = [sys.executable, "-m", "tandem.cli", "broker", "--amqp-port",
-               str(self.amqp_port), "--admin-port", str(self.admin_port), "--data-dir",
-               str(self.data_dir), "--node-id", self.node_id]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "broker",
+            "--amqp-port",
+            str(self.amqp_port),
+            "--admin-port",
+            str(self.admin_port),
+            "--data-dir",
+            str(self.data_dir),
+            "--node-id",
+            self.node_id,
+        ]
         if self.config is not None:
             cfg = self.log_dir / f"{self.data_dir.name}.yaml"
             cfg.write_text(yaml.safe_dump(self.config))
@@ -109,11 +126,14 @@ class Broker:
     def url(self, user: str = "guest", password: str = "guest", vhost: str = "%2F") -> str:
         return f"amqp://{user}:{password}@127.0.0.1:{self.amqp_port}/{vhost}"
 
-    def http(self, method: str, path: str, body: Any = None, token: str | None = None
-             ) -> tuple[int, Any]:
+    def http(
+        self, method: str, path: str, body: Any = None, token: str | None = None
+    ) -> tuple[int, Any]:
         req = urllib.request.Request(
-            f"http://127.0.0.1:{self.admin_port}{path}", method=method,
-            data=json.dumps(body).encode() if body is not None else None)
+            f"http://127.0.0.1:{self.admin_port}{path}",
+            method=method,
+            data=json.dumps(body).encode() if body is not None else None,
+        )
         if token:
             req.add_header("Authorization", f"Bearer {token}")
         try:
@@ -176,8 +196,10 @@ class RawClient:
             _ch, value = self.recv_frame()
             if isinstance(value, kind):
                 return value
-            if isinstance(value, commands.Connection.Close) and kind is not \
-                    commands.Connection.Close:
+            if (
+                isinstance(value, commands.Connection.Close)
+                and kind is not commands.Connection.Close
+            ):
                 raise AssertionError(f"connection closed: {value.reply_code} {value.reply_text}")
 
     def closed(self) -> bool:
@@ -193,17 +215,29 @@ class RawClient:
         except TimeoutError:
             return False
 
-    def handshake(self, user: str = "guest", password: str = "guest", vhost: str = "/",
-                  heartbeat: int = 0, frame_max: int = 131072) -> None:
+    def handshake(
+        self,
+        user: str = "guest",
+        password: str = "guest",
+        vhost: str = "/",
+        heartbeat: int = 0,
+        frame_max: int = 131072,
+    ) -> None:
         self.send(b"AMQP\x00\x00\x09\x01")
         self.expect(commands.Connection.Start)
-        self.send_method(0, commands.Connection.StartOk(
-            client_properties={"capabilities": {"connection.blocked": True,
-                                                "consumer_cancel_notify": True}},
-            mechanism="PLAIN", response=f"\x00{user}\x00{password}", locale="en_US"))
+        self.send_method(
+            0,
+            commands.Connection.StartOk(
+                client_properties={
+                    "capabilities": {"connection.blocked": True, "consumer_cancel_notify": True}
+                },
+                mechanism="PLAIN",
+                response=f"\x00{user}\x00{password}",
+                locale="en_US",
+            ),
+        )
         tune = self.expect(commands.Connection.Tune)
-        self.send_method(0, commands.Connection.TuneOk(tune.channel_max, frame_max,
-                                                       heartbeat))
+        self.send_method(0, commands.Connection.TuneOk(tune.channel_max, frame_max, heartbeat))
         self.send_method(0, commands.Connection.Open(vhost))
         self.expect(commands.Connection.OpenOk)
 
@@ -211,14 +245,24 @@ class RawClient:
         self.send_method(number, commands.Channel.Open())
         self.expect(commands.Channel.OpenOk)
 
-    def publish(self, channel: int, exchange: str, routing_key: str, body: bytes,
-                props: commands.Basic.Properties | None = None) -> None:
-        self.send_method(channel, commands.Basic.Publish(exchange=exchange,
-                                                         routing_key=routing_key))
-        self.send(frame.marshal(header.ContentHeader(0, len(body),
-                                                     props or commands.Basic.Properties()),
-                                channel))
+    def publish(
+        self,
+        channel: int,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        props: commands.Basic.Properties | None = None,
+    ) -> None:
+        self.send_method(
+            channel, commands.Basic.Publish(exchange=exchange, routing_key=routing_key)
+        )
+        self.send(
+            frame.marshal(
+                header.ContentHeader(0, len(body), props or commands.Basic.Properties()), channel
+            )
+        )
         from pamqp import body as body_mod
+
         if body:
             self.send(frame.marshal(body_mod.ContentBody(body), channel))
 

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -39,17 +40,16 @@ def _broker(args: argparse.Namespace) -> int:
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(
         level=getattr(logging, cfg.log_level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s [{cfg.node_id}] %(name)s: %(message)s")
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        uvloop = None
+        format=f"%(asctime)s %(levelname)s [{cfg.node_id}] %(name)s: %(message)s",
+    )
     try:
         node = Node(cfg)
-        if uvloop is not None:
-            uvloop.run(node.run())
-        else:
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
             asyncio.run(node.run())
+        else:
+            uvloop.run(node.run())
     except errors.ConfigError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
@@ -69,8 +69,11 @@ CTL_VERBS: dict[str, tuple[str, str, list[str]]] = {
     "add_vhost": ("PUT", "/api/vhosts/{name}", ["name"]),
     "delete_vhost": ("DELETE", "/api/vhosts/{name}", ["name"]),
     "list_permissions": ("GET", "/api/permissions", []),
-    "set_permissions": ("PUT", "/api/permissions/{vhost}/{user}",
-                        ["user", "configure", "write", "read"]),
+    "set_permissions": (
+        "PUT",
+        "/api/permissions/{vhost}/{user}",
+        ["user", "configure", "write", "read"],
+    ),
     "clear_permissions": ("DELETE", "/api/permissions/{vhost}/{user}", ["user"]),
     "list_queues": ("GET", "/api/queues", []),
 }
@@ -79,21 +82,25 @@ CTL_VERBS: dict[str, tuple[str, str, list[str]]] = {
 def _ctl(args: argparse.Namespace) -> int:
     method, template, names = CTL_VERBS[args.verb]
     if len(args.args) != len(names):
-        print(f"tandem ctl {args.verb} takes: {' '.join(n.upper() for n in names) or 'nothing'}",
-              file=sys.stderr)
+        print(
+            f"tandem ctl {args.verb} takes: {' '.join(n.upper() for n in names) or 'nothing'}",
+            file=sys.stderr,
+        )
         return 2
     values = dict(zip(names, args.args, strict=True))
     values["vhost"] = args.vhost
-    path = template.format(**{k: urllib.request.quote(v, safe="") for k, v in values.items()})
+    path = template.format(**{k: urllib.parse.quote(v, safe="") for k, v in values.items()})
     body: dict[str, Any] | None = None
     if args.verb == "add_user":
         body = {"password": values["password"], "tags": args.tags.split(",") if args.tags else []}
     elif args.verb == "set_permissions":
         body = {k: values[k] for k in ("configure", "write", "read")}
     req = urllib.request.Request(
-        args.url.rstrip("/") + path, method=method,
+        args.url.rstrip("/") + path,
+        method=method,
         data=json.dumps(body).encode() if body is not None else None,
-        headers={"Content-Type": "application/json"})
+        headers={"Content-Type": "application/json"},
+    )
     token = args.token or os.environ.get("TANDEM_ADMIN_TOKEN")
     if token:
         req.add_header("Authorization", f"Bearer {token}")

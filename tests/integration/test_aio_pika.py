@@ -23,9 +23,11 @@ def test_aio_pika_confirms_consume_and_ack(broker: Broker) -> None:
             q = await ch.declare_queue("aio", durable=True)
             for i in range(20):
                 await ch.default_exchange.publish(
-                    aio_pika.Message(str(i).encode(),
-                                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-                    routing_key="aio")
+                    aio_pika.Message(
+                        str(i).encode(), delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+                    ),
+                    routing_key="aio",
+                )
             got = []
             async with q.iterator() as it:
                 async for msg in it:
@@ -70,7 +72,8 @@ def test_aio_pika_rpc_over_direct_reply_to(broker: Broker) -> None:
                 async with msg.process():
                     await ch.default_exchange.publish(
                         aio_pika.Message(msg.body[::-1], correlation_id=msg.correlation_id),
-                        routing_key=msg.reply_to or "")
+                        routing_key=msg.reply_to or "",
+                    )
 
             await requests.consume(serve)
             reply_q = await ch.get_queue("amq.rabbitmq.reply-to", ensure=False)
@@ -81,8 +84,9 @@ def test_aio_pika_rpc_over_direct_reply_to(broker: Broker) -> None:
 
             await reply_q.consume(on_reply, no_ack=True)
             await ch.default_exchange.publish(
-                aio_pika.Message(b"olleh", reply_to="amq.rabbitmq.reply-to",
-                                 correlation_id="1"), routing_key="aio-rpc")
+                aio_pika.Message(b"olleh", reply_to="amq.rabbitmq.reply-to", correlation_id="1"),
+                routing_key="aio-rpc",
+            )
             return await asyncio.wait_for(fut, 10)
 
     assert run(main()) == b"hello"

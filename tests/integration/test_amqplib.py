@@ -18,7 +18,12 @@ def test_amqplib_scenarios(broker: Broker) -> None:
         pytest.skip("Node.js is not installed")
     if not (ROOT / "node_modules" / "amqplib").exists():
         pytest.fail("amqplib is missing: the test command runs `npm ci` first")
-    r = subprocess.run(["node", str(ROOT / "tests" / "js" / "amqplib_suite.js"), broker.url()],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    r = subprocess.run(
+        ["node", str(ROOT / "tests" / "js" / "amqplib_suite.js"), broker.url()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "not ok" not in r.stdout

@@ -47,8 +47,12 @@ def test_failed_login_is_403_connection_close(broker: Broker) -> None:
     c = RawClient(broker.amqp_port)
     c.send(b"AMQP\x00\x00\x09\x01")
     c.expect(commands.Connection.Start)
-    c.send_method(0, commands.Connection.StartOk(
-        mechanism="PLAIN", response="\x00guest\x00nope", locale="en_US"))
+    c.send_method(
+        0,
+        commands.Connection.StartOk(
+            mechanism="PLAIN", response="\x00guest\x00nope", locale="en_US"
+        ),
+    )
     close = connection_close(c)
     assert close.reply_code == 403
     assert "guest" not in close.reply_text or "nope" not in close.reply_text
@@ -63,9 +67,12 @@ def test_amqplain_login(broker: Broker) -> None:
     c.send(b"AMQP\x00\x00\x09\x01")
     c.expect(commands.Connection.Start)
     table = encode.field_table({"LOGIN": "guest", "PASSWORD": "guest"})[4:]
-    c.send_method(0, commands.Connection.StartOk(mechanism="AMQPLAIN",
-                                                 response=table.decode("latin-1"),
-                                                 locale="en_US"))
+    c.send_method(
+        0,
+        commands.Connection.StartOk(
+            mechanism="AMQPLAIN", response=table.decode("latin-1"), locale="en_US"
+        ),
+    )
     tune = c.expect(commands.Connection.Tune)
     assert tune.frame_max == 131072
 
@@ -90,8 +97,7 @@ def test_frame_max_too_small_is_refused(broker: Broker) -> None:
     c = RawClient(broker.amqp_port)
     c.send(b"AMQP\x00\x00\x09\x01")
     c.expect(commands.Connection.Start)
-    c.send_method(0, commands.Connection.StartOk(mechanism="PLAIN",
-                                                 response="\x00guest\x00guest"))
+    c.send_method(0, commands.Connection.StartOk(mechanism="PLAIN", response="\x00guest\x00guest"))
     c.expect(commands.Connection.Tune)
     c.send_method(0, commands.Connection.TuneOk(0, 1024, 0))
     assert connection_close(c).reply_code == 530

@@ -13,8 +13,14 @@ from pamqp import commands
 from tests.support import Broker, RawClient
 
 
-def publish_confirmed(broker: Broker, queue: str, n: int, persistent: bool = True,
-                      size: int = 100, durable: bool = True) -> None:
+def publish_confirmed(
+    broker: Broker,
+    queue: str,
+    n: int,
+    persistent: bool = True,
+    size: int = 100,
+    durable: bool = True,
+) -> None:
     conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
     ch = conn.channel()
     ch.confirm_delivery()
@@ -150,8 +156,9 @@ def test_compaction_carries_old_live_messages_forward(broker_factory) -> None:  
 def tiny_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs to fill (needs root): {r.stderr.strip()}")
     yield mnt
@@ -173,8 +180,13 @@ def test_full_disk_holds_confirms_and_loses_nothing(tiny_disk: Path, tmp_path: P
         c.expect(commands.Queue.DeclareOk)
         n = 150
         for i in range(n):  # 150 x 10 KB: more than the 1 MB left
-            c.publish(1, "", "full", str(i).encode().ljust(10_000, b"."),
-                      commands.Basic.Properties(delivery_mode=2))
+            c.publish(
+                1,
+                "",
+                "full",
+                str(i).encode().ljust(10_000, b"."),
+                commands.Basic.Properties(delivery_mode=2),
+            )
         acked = 0
         c.sock.settimeout(3)
         blocked = False

@@ -34,9 +34,15 @@ def drain(ch, queue: str, n: int, ack: bool = True) -> list[bytes]:  # type: ign
 
 def test_server_properties_advertise_rabbitmq_capabilities(conn: pika.BlockingConnection) -> None:
     caps = conn._impl.server_capabilities
-    for cap in ("publisher_confirms", "basic.nack", "consumer_cancel_notify",
-                "exchange_exchange_bindings", "connection.blocked",
-                "authentication_failure_close", "per_consumer_qos"):
+    for cap in (
+        "publisher_confirms",
+        "basic.nack",
+        "consumer_cancel_notify",
+        "exchange_exchange_bindings",
+        "connection.blocked",
+        "authentication_failure_close",
+        "per_consumer_qos",
+    ):
         assert caps.get(cap) is True, cap
 
 
@@ -61,8 +67,9 @@ def test_default_exchange_publish_and_consume(conn: pika.BlockingConnection) -> 
         ("topic", "*", "", False),
     ],
 )
-def test_exchange_routing(conn: pika.BlockingConnection, kind: str, binding: str, key: str,
-                          routed: bool) -> None:
+def test_exchange_routing(
+    conn: pika.BlockingConnection, kind: str, binding: str, key: str, routed: bool
+) -> None:
     ch = conn.channel()
     ch.exchange_declare("ex", kind)
     q = ch.queue_declare("", exclusive=True).method.queue
@@ -74,11 +81,16 @@ def test_exchange_routing(conn: pika.BlockingConnection, kind: str, binding: str
 
 @pytest.mark.parametrize(
     ("match", "headers", "routed"),
-    [("all", {"a": 1, "b": "x"}, True), ("all", {"a": 1}, False), ("any", {"a": 1}, True),
-     ("any", {"c": 1}, False)],
+    [
+        ("all", {"a": 1, "b": "x"}, True),
+        ("all", {"a": 1}, False),
+        ("any", {"a": 1}, True),
+        ("any", {"c": 1}, False),
+    ],
 )
-def test_headers_exchange(conn: pika.BlockingConnection, match: str, headers: dict,
-                          routed: bool) -> None:
+def test_headers_exchange(
+    conn: pika.BlockingConnection, match: str, headers: dict, routed: bool
+) -> None:
     ch = conn.channel()
     q = ch.queue_declare("", exclusive=True).method.queue
     ch.queue_bind(q, "amq.headers", arguments={"x-match": match, "a": 1, "b": "x"})
@@ -111,7 +123,8 @@ def test_alternate_exchange(conn: pika.BlockingConnection) -> None:
 
 
 def test_exchange_declare_passive_delete_if_unused_and_internal(
-        conn: pika.BlockingConnection) -> None:
+    conn: pika.BlockingConnection,
+) -> None:
     ch = conn.channel()
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
         ch.exchange_declare("missing", passive=True)
@@ -147,7 +160,8 @@ def test_reserved_names_are_refused(conn: pika.BlockingConnection) -> None:
 
 
 def test_redeclare_with_other_properties_is_406_and_connection_survives(
-        conn: pika.BlockingConnection) -> None:
+    conn: pika.BlockingConnection,
+) -> None:
     ch = conn.channel()
     ch.queue_declare("stable", durable=True)
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
@@ -273,8 +287,9 @@ def test_basic_recover_requeues(conn: pika.BlockingConnection) -> None:
     assert m.redelivered
 
 
-def test_prefetch_per_consumer_limits_unacked(conn: pika.BlockingConnection,
-                                              broker: Broker) -> None:
+def test_prefetch_per_consumer_limits_unacked(
+    conn: pika.BlockingConnection, broker: Broker
+) -> None:
     ch = conn.channel()
     ch.queue_declare("pf")
     for _ in range(10):
@@ -389,8 +404,9 @@ def test_dead_lettering_on_reject_with_x_death(conn: pika.BlockingConnection) ->
     ch.exchange_declare("dlx", "fanout")
     ch.queue_declare("dead")
     ch.queue_bind("dead", "dlx")
-    ch.queue_declare("live", arguments={"x-dead-letter-exchange": "dlx",
-                                        "x-dead-letter-routing-key": "rk2"})
+    ch.queue_declare(
+        "live", arguments={"x-dead-letter-exchange": "dlx", "x-dead-letter-routing-key": "rk2"}
+    )
     ch.basic_publish("", "live", b"bye", pika.BasicProperties(headers={"keep": "me"}))
     m, _p, _b = ch.basic_get("live")
     ch.basic_reject(m.delivery_tag, requeue=False)
@@ -407,8 +423,14 @@ def test_dead_lettering_on_reject_with_x_death(conn: pika.BlockingConnection) ->
 def test_message_ttl_expires_to_dead_letter(conn: pika.BlockingConnection) -> None:
     ch = conn.channel()
     ch.queue_declare("expired")
-    ch.queue_declare("ttl", arguments={"x-message-ttl": 50, "x-dead-letter-exchange": "",
-                                       "x-dead-letter-routing-key": "expired"})
+    ch.queue_declare(
+        "ttl",
+        arguments={
+            "x-message-ttl": 50,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": "expired",
+        },
+    )
     ch.basic_publish("", "ttl", b"short")
     ch.basic_publish("", "ttl", b"per-message", pika.BasicProperties(expiration="20"))
     got = drain(ch, "expired", 2)
@@ -507,17 +529,28 @@ def test_direct_reply_to_rpc(conn: pika.BlockingConnection) -> None:
     server.queue_declare("rpc")
 
     def on_request(ch, method, props, body):  # type: ignore[no-untyped-def]
-        ch.basic_publish("", props.reply_to, body.upper(),
-                         pika.BasicProperties(correlation_id=props.correlation_id))
+        ch.basic_publish(
+            "",
+            props.reply_to,
+            body.upper(),
+            pika.BasicProperties(correlation_id=props.correlation_id),
+        )
         ch.basic_ack(method.delivery_tag)
 
     server.basic_consume("rpc", on_request)
     client = conn.channel()
     replies = []
-    client.basic_consume("amq.rabbitmq.reply-to", lambda c, m, p, b: replies.append(
-        (p.correlation_id, b)), auto_ack=True)
-    client.basic_publish("", "rpc", b"hello", pika.BasicProperties(
-        reply_to="amq.rabbitmq.reply-to", correlation_id="c1"))
+    client.basic_consume(
+        "amq.rabbitmq.reply-to",
+        lambda c, m, p, b: replies.append((p.correlation_id, b)),
+        auto_ack=True,
+    )
+    client.basic_publish(
+        "",
+        "rpc",
+        b"hello",
+        pika.BasicProperties(reply_to="amq.rabbitmq.reply-to", correlation_id="c1"),
+    )
     for _ in range(50):
         if replies:
             break

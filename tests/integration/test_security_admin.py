@@ -11,7 +11,6 @@ from pathlib import Path
 import pika
 import pika.exceptions
 import pytest
-
 from pamqp import commands
 
 from tests.support import Broker, RawClient
@@ -26,14 +25,20 @@ CONFIG = {
     "permissions": [
         {"user": "admin", "vhost": "/"},
         {"user": "admin", "vhost": "prod"},
-        {"user": "app", "vhost": "prod", "configure": "^app\\.", "write": "^app\\.|amq\\.direct",
-         "read": "^app\\."},
+        {
+            "user": "app",
+            "vhost": "prod",
+            "configure": "^app\\.",
+            "write": "^app\\.|amq\\.direct",
+            "read": "^app\\.",
+        },
     ],
 }
 
 
-def connect(broker: Broker, user: str, password: str, vhost: str = "%2F"
-            ) -> pika.BlockingConnection:
+def connect(
+    broker: Broker, user: str, password: str, vhost: str = "%2F"
+) -> pika.BlockingConnection:
     return pika.BlockingConnection(pika.URLParameters(broker.url(user, password, vhost)))
 
 
@@ -68,8 +73,20 @@ def test_permissions_configure_write_read(broker_factory) -> None:  # type: igno
 
 
 def test_permission_denied_bind_without_read_on_exchange(broker_factory) -> None:  # type: ignore[no-untyped-def]
-    broker = broker_factory({**CONFIG, "permissions": [
-        {"user": "app", "vhost": "prod", "configure": ".*", "write": ".*", "read": "^app\\."}]})
+    broker = broker_factory(
+        {
+            **CONFIG,
+            "permissions": [
+                {
+                    "user": "app",
+                    "vhost": "prod",
+                    "configure": ".*",
+                    "write": ".*",
+                    "read": "^app\\.",
+                }
+            ],
+        }
+    )
     conn = connect(broker, "app", "apppw", "prod")
     ch = conn.channel()
     ch.queue_declare("app.q")
@@ -148,8 +165,15 @@ def test_metrics(broker: Broker) -> None:
 
 
 def ctl(broker: Broker, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "tandem.cli", "ctl", "--url",
-           f"http://127.0.0.1:{broker.admin_port}", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        "ctl",
+        "--url",
+        f"http://127.0.0.1:{broker.admin_port}",
+        *args,
+    ]
     if token:
         cmd += ["--token", token]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -196,13 +220,21 @@ def test_guest_is_loopback_only_unless_configured(broker_factory) -> None:  # ty
 def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("amqp_port: 'five'\n")
-    r = subprocess.run([sys.executable, "-m", "tandem.cli", "broker", "--config", str(cfg)],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "broker", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2
     assert "'amqp_port' must be int" in r.stderr
     cfg.write_text("nonsense_key: 1\n")
-    r = subprocess.run([sys.executable, "-m", "tandem.cli", "broker", "--config", str(cfg)],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "broker", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert "unknown setting 'nonsense_key'" in r.stderr
 
 
@@ -211,21 +243,39 @@ def certs(tmp_path: Path) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout",
-                    str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
 def test_tls_listener(broker_factory, certs: tuple[Path, Path]) -> None:  # type: ignore[no-untyped-def]
     cert, key = certs
-    broker = broker_factory({"tls_certfile": str(cert), "tls_keyfile": str(key),
-                             "tls_port": 0})
+    broker = broker_factory({"tls_certfile": str(cert), "tls_keyfile": str(key), "tls_port": 0})
     assert broker.tls_port
     ctx = ssl.create_default_context(cafile=str(cert))
-    params = pika.ConnectionParameters("127.0.0.1", broker.tls_port,
-                                       ssl_options=pika.SSLOptions(ctx, "localhost"))
+    params = pika.ConnectionParameters(
+        "127.0.0.1", broker.tls_port, ssl_options=pika.SSLOptions(ctx, "localhost")
+    )
     conn = pika.BlockingConnection(params)
     ch = conn.channel()
     ch.queue_declare("tls")

@@ -50,21 +50,26 @@ class FakeHub:
 
 
 def handshake() -> bytes:
-    return b"".join([
-        b"AMQP\x00\x00\x09\x01",
-        frame.marshal(commands.Connection.StartOk(mechanism="PLAIN",
-                                                  response="\x00guest\x00guest"), 0),
-        frame.marshal(commands.Connection.TuneOk(2047, 131072, 0), 0),
-        frame.marshal(commands.Connection.Open("/"), 0),
-    ])
+    return b"".join(
+        [
+            b"AMQP\x00\x00\x09\x01",
+            frame.marshal(
+                commands.Connection.StartOk(mechanism="PLAIN", response="\x00guest\x00guest"), 0
+            ),
+            frame.marshal(commands.Connection.TuneOk(2047, 131072, 0), 0),
+            frame.marshal(commands.Connection.Open("/"), 0),
+        ]
+    )
 
 
 def msg(ch: int, rk: str, payload: bytes, props: commands.Basic.Properties) -> bytes:
-    return b"".join([
-        frame.marshal(commands.Basic.Publish(exchange="", routing_key=rk), ch),
-        frame.marshal(header.ContentHeader(0, len(payload), props), ch),
-        frame.marshal(body.ContentBody(payload), ch) if payload else b"",
-    ])
+    return b"".join(
+        [
+            frame.marshal(commands.Basic.Publish(exchange="", routing_key=rk), ch),
+            frame.marshal(header.ContentHeader(0, len(payload), props), ch),
+            frame.marshal(body.ContentBody(payload), ch) if payload else b"",
+        ]
+    )
 
 
 VALID = [
@@ -142,11 +147,15 @@ def _capture_bug_reports() -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(data=streams(), split=st.integers(1, 64))
 def test_mutated_frames_never_crash_the_state_machine(data: bytes, split: int) -> None:
-    conn, transport = new_connection()
+    conn, _transport = new_connection()
     with _capture_bug_reports() as reports:
         for i in range(0, len(data), split):  # arbitrary read boundaries
             conn.feed(data[i : i + split])

@@ -15,12 +15,25 @@ from tandem.broker.model.exchange import HeadersExchange, topic_match
 @pytest.mark.parametrize(
     ("pattern", "key", "match"),
     [
-        ("a.b.c", "a.b.c", True), ("a.*.c", "a.x.c", True), ("a.*.c", "a.c", False),
-        ("a.#", "a", True), ("a.#", "a.b.c.d", True), ("#", "", True), ("#", "a.b", True),
-        ("*", "", False), ("*", "a", True), ("*.*", "a", False), ("#.c", "c", True),
-        ("a.#.c", "a.c", True), ("a.#.c", "a.b.b.c", True), ("a.#.c", "a.b.b.d", False),
-        ("#.#", "a", True), ("a.*.#", "a", False), ("a.*.#", "a.b", True),
-        ("", "", True), ("", "a", False),
+        ("a.b.c", "a.b.c", True),
+        ("a.*.c", "a.x.c", True),
+        ("a.*.c", "a.c", False),
+        ("a.#", "a", True),
+        ("a.#", "a.b.c.d", True),
+        ("#", "", True),
+        ("#", "a.b", True),
+        ("*", "", False),
+        ("*", "a", True),
+        ("*.*", "a", False),
+        ("#.c", "c", True),
+        ("a.#.c", "a.c", True),
+        ("a.#.c", "a.b.b.c", True),
+        ("a.#.c", "a.b.b.d", False),
+        ("#.#", "a", True),
+        ("a.*.#", "a", False),
+        ("a.*.#", "a.b", True),
+        ("", "", True),
+        ("", "a", False),
     ],
 )
 def test_topic_match(pattern: str, key: str, match: bool) -> None:
@@ -52,9 +65,17 @@ def make_msg(props: commands.Basic.Properties) -> message.Message:
 
 
 def test_scan_reads_delivery_mode_priority_expiration() -> None:
-    m = make_msg(commands.Basic.Properties(
-        content_type="text/plain", headers={"k": "v"}, delivery_mode=2, priority=7,
-        correlation_id="c", reply_to="r", expiration="1500"))
+    m = make_msg(
+        commands.Basic.Properties(
+            content_type="text/plain",
+            headers={"k": "v"},
+            delivery_mode=2,
+            priority=7,
+            correlation_id="c",
+            reply_to="r",
+            expiration="1500",
+        )
+    )
     message.scan(m)
     assert (m.persistent, m.priority, m.expiration) == (True, 7, 1500)
 
@@ -142,3 +163,10 @@ def test_config_parse_errors_say_where() -> None:
         config.parse({"heartbeat": True})
     cfg = config.parse({"heartbeat": 5, "vhosts": ["/", "x"]})
     assert (cfg.heartbeat, cfg.vhosts) == (5, ["/", "x"])
+
+
+def test_scan_refuses_truncated_properties() -> None:
+    raw = commands.Basic.Properties(content_type="text/plain", delivery_mode=2).marshal()
+    m = message.Message("", "rk", message.encode_route("", "rk"), raw[:-4], b"", 0)
+    with pytest.raises(ValueError, match="truncated"):
+        message.scan(m)

@@ -13,8 +13,11 @@ def write(path: Path, *records: bytes) -> None:
 
 def test_records_round_trip(tmp_path: Path) -> None:
     seg = tmp_path / "1.seg"
-    write(seg, log.encode_record(log.DEFINE, 3, 10, b"a"), log.encode_record(log.ENQUEUE, 3, 11,
-                                                                              b"bb"))
+    write(
+        seg,
+        log.encode_record(log.DEFINE, 3, 10, b"a"),
+        log.encode_record(log.ENQUEUE, 3, 11, b"bb"),
+    )
     records, end, corrupt, torn = log.scan_segment(seg, last=True)
     assert records == [(log.DEFINE, 3, 10, b"a"), (log.ENQUEUE, 3, 11, b"bb")]
     assert (end, corrupt, torn) == (seg.stat().st_size, [], None)
@@ -24,7 +27,7 @@ def test_torn_tail_is_reported_on_the_last_segment(tmp_path: Path) -> None:
     seg = tmp_path / "1.seg"
     good = log.encode_record(log.DEFINE, 1, 1, b"ok")
     write(seg, good, log.encode_record(log.DEFINE, 1, 2, b"cut short")[:-3])
-    records, end, corrupt, torn = log.scan_segment(seg, last=True)
+    records, _end, corrupt, torn = log.scan_segment(seg, last=True)
     assert [r[2] for r in records] == [1]
     assert torn == len(good) and corrupt == []
 

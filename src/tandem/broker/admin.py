@@ -24,9 +24,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FSYNC_SECONDS = Histogram(
-    "tandem_fsync_seconds", "Time one group-commit fsync of the log took",
+    "tandem_fsync_seconds",
+    "Time one group-commit fsync of the log took",
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
-    registry=None)
+    registry=None,
+)
 
 
 def bind_store_metrics(store: Store) -> None:
@@ -42,25 +44,31 @@ class NodeCollector:
     def collect(self) -> Iterator[Any]:
         node = self.node
         conns = [p.conn for p in node.connections if p.conn is not None]
-        yield GaugeMetricFamily("tandem_connections", "Open client connections",
-                                value=len(conns))
-        yield GaugeMetricFamily("tandem_channels", "Open channels",
-                                value=sum(len(c.channels) for c in conns))
-        yield GaugeMetricFamily("tandem_consumers", "Consumers",
-                                value=sum(len(ch.consumers) for c in conns
-                                          for ch in c.channels.values()))
-        depth = GaugeMetricFamily("tandem_queue_depth", "Messages ready plus unacked",
-                                  labels=["vhost", "queue"])
-        ready = GaugeMetricFamily("tandem_queue_ready", "Messages ready",
-                                  labels=["vhost", "queue"])
-        unacked = GaugeMetricFamily("tandem_queue_unacked", "Messages delivered, not acked",
-                                    labels=["vhost", "queue"])
-        published = CounterMetricFamily("tandem_queue_published", "Messages enqueued",
-                                        labels=["vhost", "queue"])
-        delivered = CounterMetricFamily("tandem_queue_delivered", "Messages delivered",
-                                        labels=["vhost", "queue"])
-        acked = CounterMetricFamily("tandem_queue_acked", "Messages acknowledged",
-                                    labels=["vhost", "queue"])
+        yield GaugeMetricFamily("tandem_connections", "Open client connections", value=len(conns))
+        yield GaugeMetricFamily(
+            "tandem_channels", "Open channels", value=sum(len(c.channels) for c in conns)
+        )
+        yield GaugeMetricFamily(
+            "tandem_consumers",
+            "Consumers",
+            value=sum(len(ch.consumers) for c in conns for ch in c.channels.values()),
+        )
+        depth = GaugeMetricFamily(
+            "tandem_queue_depth", "Messages ready plus unacked", labels=["vhost", "queue"]
+        )
+        ready = GaugeMetricFamily("tandem_queue_ready", "Messages ready", labels=["vhost", "queue"])
+        unacked = GaugeMetricFamily(
+            "tandem_queue_unacked", "Messages delivered, not acked", labels=["vhost", "queue"]
+        )
+        published = CounterMetricFamily(
+            "tandem_queue_published", "Messages enqueued", labels=["vhost", "queue"]
+        )
+        delivered = CounterMetricFamily(
+            "tandem_queue_delivered", "Messages delivered", labels=["vhost", "queue"]
+        )
+        acked = CounterMetricFamily(
+            "tandem_queue_acked", "Messages acknowledged", labels=["vhost", "queue"]
+        )
         for vh in node.broker.vhosts.values():
             for q in vh.queues.values():
                 labels = [vh.name, q.name]
@@ -71,8 +79,9 @@ class NodeCollector:
                 delivered.add_metric(labels, q.delivered)
                 acked.add_metric(labels, q.acked)
         yield from (depth, ready, unacked, published, delivered, acked)
-        yield GaugeMetricFamily("tandem_log_position", "Offset of the last log record",
-                                value=node.broker.journal.offset)
+        yield GaugeMetricFamily(
+            "tandem_log_position", "Offset of the last log record", value=node.broker.journal.offset
+        )
         yield GaugeMetricFamily("tandem_alarms", "Alarms in force", value=len(node.alarms))
 
 
@@ -85,7 +94,7 @@ def _json_error(status: int, text: str) -> web.Response:
 
 def make_app(node: Node) -> web.Application:
     registry = CollectorRegistry()
-    registry.register(NodeCollector(node))  # type: ignore[arg-type]
+    registry.register(NodeCollector(node))
     registry.register(FSYNC_SECONDS)
     token = node.cfg.admin_token
 
@@ -109,8 +118,9 @@ def make_app(node: Node) -> web.Application:
         return web.json_response(node.status())
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry),
-                            headers={"Content-Type": "text/plain; version=0.0.4"})
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": "text/plain; version=0.0.4"}
+        )
 
     async def list_users(request: web.Request) -> web.Response:
         users = node.broker.users.users.values()
@@ -123,10 +133,13 @@ def make_app(node: Node) -> web.Application:
         password_hash = body.get("password_hash")
         if not isinstance(password, str) and not isinstance(password_hash, str):
             return _json_error(400, "give 'password' or 'password_hash'")
-        node.broker.users.add(name, password=password if isinstance(password, str) else None,
-                              password_hash=password_hash if isinstance(password_hash, str)
-                              else None, tags=list(body.get("tags") or []),
-                              loopback_only=name == "guest" and not node.cfg.guest_remote)
+        node.broker.users.add(
+            name,
+            password=password if isinstance(password, str) else None,
+            password_hash=password_hash if isinstance(password_hash, str) else None,
+            tags=list(body.get("tags") or []),
+            loopback_only=name == "guest" and not node.cfg.guest_remote,
+        )
         node.save_auth()
         log.info("user '%s' set through the admin API", name)
         return web.json_response({"name": name}, status=201)
@@ -156,9 +169,12 @@ def make_app(node: Node) -> web.Application:
 
     async def list_permissions(request: web.Request) -> web.Response:
         perms = node.broker.users.permissions.items()
-        return web.json_response([
-            {"user": u, "vhost": v, "configure": p.configure, "write": p.write, "read": p.read}
-            for (u, v), p in perms])
+        return web.json_response(
+            [
+                {"user": u, "vhost": v, "configure": p.configure, "write": p.write, "read": p.read}
+                for (u, v), p in perms
+            ]
+        )
 
     async def put_permission(request: web.Request) -> web.Response:
         vhost, user = request.match_info["vhost"], request.match_info["user"]
@@ -167,8 +183,9 @@ def make_app(node: Node) -> web.Application:
         if user not in node.broker.users.users:
             return _json_error(404, f"no user '{user}'")
         body = await _body(request)
-        perm = Permission(str(body.get("configure", "")), str(body.get("write", "")),
-                          str(body.get("read", "")))
+        perm = Permission(
+            str(body.get("configure", "")), str(body.get("write", "")), str(body.get("read", ""))
+        )
         node.broker.users.set_permission(user, vhost, perm)
         node.save_auth()
         return web.json_response({"user": user, "vhost": vhost}, status=201)
@@ -184,22 +201,24 @@ def make_app(node: Node) -> web.Application:
         return web.json_response(node.status()["queues"])
 
     app = web.Application(middlewares=[auth])
-    app.add_routes([
-        web.get("/health", health),
-        web.get("/ready", ready),
-        web.get("/status", status),
-        web.get("/metrics", metrics),
-        web.get("/api/users", list_users),
-        web.put("/api/users/{name}", put_user),
-        web.delete("/api/users/{name}", delete_user),
-        web.get("/api/vhosts", list_vhosts),
-        web.put("/api/vhosts/{name}", put_vhost),
-        web.delete("/api/vhosts/{name}", delete_vhost),
-        web.get("/api/permissions", list_permissions),
-        web.put("/api/permissions/{vhost}/{user}", put_permission),
-        web.delete("/api/permissions/{vhost}/{user}", delete_permission),
-        web.get("/api/queues", list_queues),
-    ])
+    app.add_routes(
+        [
+            web.get("/health", health),
+            web.get("/ready", ready),
+            web.get("/status", status),
+            web.get("/metrics", metrics),
+            web.get("/api/users", list_users),
+            web.put("/api/users/{name}", put_user),
+            web.delete("/api/users/{name}", delete_user),
+            web.get("/api/vhosts", list_vhosts),
+            web.put("/api/vhosts/{name}", put_vhost),
+            web.delete("/api/vhosts/{name}", delete_vhost),
+            web.get("/api/permissions", list_permissions),
+            web.put("/api/permissions/{vhost}/{user}", put_permission),
+            web.delete("/api/permissions/{vhost}/{user}", delete_permission),
+            web.get("/api/queues", list_queues),
+        ]
+    )
     return app
 
 

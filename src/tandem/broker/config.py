@@ -59,12 +59,28 @@ class Config:
 
 
 _SCALARS = {
-    "node_id": str, "host": str, "amqp_port": int, "admin_host": str, "admin_port": int,
-    "admin_token": str, "tls_port": int, "tls_certfile": str, "tls_keyfile": str,
-    "tls_cafile": str, "tls_verify_peer": bool, "frame_max": int, "channel_max": int,
-    "heartbeat": int, "max_message_size": int, "max_connections": int,
-    "memory_high_watermark": int, "disk_free_limit": int, "fsync": bool, "segment_bytes": int,
-    "guest_remote": bool, "log_level": str,
+    "node_id": str,
+    "host": str,
+    "amqp_port": int,
+    "admin_host": str,
+    "admin_port": int,
+    "admin_token": str,
+    "tls_port": int,
+    "tls_certfile": str,
+    "tls_keyfile": str,
+    "tls_cafile": str,
+    "tls_verify_peer": bool,
+    "frame_max": int,
+    "channel_max": int,
+    "heartbeat": int,
+    "max_message_size": int,
+    "max_connections": int,
+    "memory_high_watermark": int,
+    "disk_free_limit": int,
+    "fsync": bool,
+    "segment_bytes": int,
+    "guest_remote": bool,
+    "log_level": str,
 }
 
 
@@ -76,8 +92,9 @@ def parse(raw: dict[str, Any], source: str = "config") -> Config:
     for key, value in raw.items():
         if key in _SCALARS:
             kind = _SCALARS[key]
-            if value is not None and not isinstance(value, kind) or (
-                    kind is int and isinstance(value, bool)):
+            if (value is not None and not isinstance(value, kind)) or (
+                kind is int and isinstance(value, bool)
+            ):
                 raise ConfigError(f"{source}: '{key}' must be {kind.__name__}, got {value!r}")
             setattr(cfg, key, value)
         elif key == "data_dir":
@@ -89,8 +106,9 @@ def parse(raw: dict[str, Any], source: str = "config") -> Config:
         elif key == "users":
             cfg.users = [_user(u, f"{source}: users[{i}]") for i, u in enumerate(value or [])]
         elif key == "permissions":
-            cfg.permissions = [_perm(p, f"{source}: permissions[{i}]")
-                               for i, p in enumerate(value or [])]
+            cfg.permissions = [
+                _perm(p, f"{source}: permissions[{i}]") for i, p in enumerate(value or [])
+            ]
         else:
             raise ConfigError(f"{source}: unknown setting '{key}'")
     return cfg
@@ -104,8 +122,9 @@ def _user(raw: Any, where: str) -> UserSpec:
     unknown = set(raw) - {"name", "password", "password_hash", "tags"}
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-    return UserSpec(str(raw["name"]), raw.get("password"), raw.get("password_hash"),
-                    list(raw.get("tags") or []))
+    return UserSpec(
+        str(raw["name"]), raw.get("password"), raw.get("password_hash"), list(raw.get("tags") or [])
+    )
 
 
 def _perm(raw: Any, where: str) -> PermissionSpec:

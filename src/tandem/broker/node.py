@@ -52,8 +52,12 @@ class Node:
             self.store = Store(cfg.data_dir, fsync=cfg.fsync, segment_bytes=cfg.segment_bytes)
         self.broker = Broker(self.store)
         self.limits = conn_mod.Limits(
-            frame_max=cfg.frame_max, channel_max=cfg.channel_max, heartbeat=cfg.heartbeat,
-            max_message_size=cfg.max_message_size, cluster_name=cfg.node_id)
+            frame_max=cfg.frame_max,
+            channel_max=cfg.channel_max,
+            heartbeat=cfg.heartbeat,
+            max_message_size=cfg.max_message_size,
+            cluster_name=cfg.node_id,
+        )
         self.blocked_reason: str | None = None
         self.alarms: dict[str, str] = {}
         self.reply_to: dict[str, conn_mod.Consumer] = {}
@@ -74,13 +78,22 @@ class Node:
         for name in cfg.vhosts:
             self.broker.add_vhost(name)
         if not cfg.users:
-            users.add("guest", password="guest", tags=["administrator"],
-                      loopback_only=not cfg.guest_remote)
+            users.add(
+                "guest",
+                password="guest",
+                tags=["administrator"],
+                loopback_only=not cfg.guest_remote,
+            )
             for name in cfg.vhosts:
                 users.set_permission("guest", name, Permission())
         for u in cfg.users:
-            users.add(u.name, password=u.password, password_hash=u.password_hash, tags=u.tags,
-                      loopback_only=u.name == "guest" and not cfg.guest_remote)
+            users.add(
+                u.name,
+                password=u.password,
+                password_hash=u.password_hash,
+                tags=u.tags,
+                loopback_only=u.name == "guest" and not cfg.guest_remote,
+            )
         for p in cfg.permissions:
             if p.user not in users.users:
                 raise errors.ConfigError(f"permissions: unknown user '{p.user}'")
@@ -96,11 +109,16 @@ class Node:
         for name in data.get("vhosts", []):
             self.broker.add_vhost(name)
         for u in data.get("users", []):
-            users.add(u["name"], password_hash=u["password_hash"], tags=u.get("tags", []),
-                      loopback_only=u["name"] == "guest" and not self.cfg.guest_remote)
+            users.add(
+                u["name"],
+                password_hash=u["password_hash"],
+                tags=u.get("tags", []),
+                loopback_only=u["name"] == "guest" and not self.cfg.guest_remote,
+            )
         for p in data.get("permissions", []):
-            users.set_permission(p["user"], p["vhost"],
-                                 Permission(p["configure"], p["write"], p["read"]))
+            users.set_permission(
+                p["user"], p["vhost"], Permission(p["configure"], p["write"], p["read"])
+            )
 
     def save_auth(self) -> None:
         """Persist users, vhosts and permissions changed at runtime."""
@@ -111,8 +129,13 @@ class Node:
             "vhosts": sorted(self.broker.vhosts),
             "users": [u.as_dict() for u in users.users.values()],
             "permissions": [
-                {"user": user, "vhost": vhost, "configure": p.configure, "write": p.write,
-                 "read": p.read}
+                {
+                    "user": user,
+                    "vhost": vhost,
+                    "configure": p.configure,
+                    "write": p.write,
+                    "read": p.read,
+                }
                 for (user, vhost), p in users.permissions.items()
             ],
         }
@@ -156,23 +179,38 @@ class Node:
 
     def check_alarms(self) -> None:
         rss = _rss()
-        self.set_alarm("memory", f"memory in use {rss} above the high watermark "
-                       f"{self.memory_limit}" if rss > self.memory_limit else None)
+        self.set_alarm(
+            "memory",
+            f"memory in use {rss} above the high watermark {self.memory_limit}"
+            if rss > self.memory_limit
+            else None,
+        )
         if self.cfg.data_dir is not None:
             free = shutil.disk_usage(self.cfg.data_dir).free
-            self.set_alarm("disk", f"free disk space {free} below the limit "
-                           f"{self.cfg.disk_free_limit}"
-                           if free < self.cfg.disk_free_limit else None)
+            self.set_alarm(
+                "disk",
+                f"free disk space {free} below the limit {self.cfg.disk_free_limit}"
+                if free < self.cfg.disk_free_limit
+                else None,
+            )
 
     # -- status --
 
     def status(self) -> dict[str, Any]:
         journal = self.broker.journal
         queues = [
-            {"vhost": vh.name, "name": q.name, "depth": q.depth, "ready": len(q.messages),
-             "unacked": q.unacked, "consumers": len(q.consumers), "durable": q.durable,
-             "replicate": q.replicate}
-            for vh in self.broker.vhosts.values() for q in vh.queues.values()
+            {
+                "vhost": vh.name,
+                "name": q.name,
+                "depth": q.depth,
+                "ready": len(q.messages),
+                "unacked": q.unacked,
+                "consumers": len(q.consumers),
+                "durable": q.durable,
+                "replicate": q.replicate,
+            }
+            for vh in self.broker.vhosts.values()
+            for q in vh.queues.values()
         ]
         return {
             "node": self.cfg.node_id,
@@ -213,20 +251,39 @@ class Node:
         if self.store is not None:
             result = self.store.open(self.broker, loop)
             self.store.on_write_error = lambda err: self.set_alarm(
-                "log", None if err is None else f"cannot write the log: {err}")
+                "log", None if err is None else f"cannot write the log: {err}"
+            )
             admin.bind_store_metrics(self.store)
-            log.info("recovered %d records and %d messages from %s", result.records,
-                     result.messages, self.cfg.data_dir)
+            log.info(
+                "recovered %d records and %d messages from %s",
+                result.records,
+                result.messages,
+                self.cfg.data_dir,
+            )
         cfg = self.cfg
         tls = self._tls_context()
-        amqp = await server.serve(self.broker, self, self.limits, cfg.host, cfg.amqp_port,
-                                  self.connections, cfg.max_connections)
+        amqp = await server.serve(
+            self.broker,
+            self,
+            self.limits,
+            cfg.host,
+            cfg.amqp_port,
+            self.connections,
+            cfg.max_connections,
+        )
         self.amqp_port = amqp.sockets[0].getsockname()[1]
         servers = [amqp]
         if tls is not None:
-            amqps = await server.serve(self.broker, self, self.limits, cfg.host,
-                                       cfg.tls_port or 0, self.connections,
-                                       cfg.max_connections, ssl=tls)
+            amqps = await server.serve(
+                self.broker,
+                self,
+                self.limits,
+                cfg.host,
+                cfg.tls_port or 0,
+                self.connections,
+                cfg.max_connections,
+                ssl=tls,
+            )
             self.tls_port = amqps.sockets[0].getsockname()[1]
             servers.append(amqps)
         runner, self.admin_port = await admin.start(self, cfg.admin_host, cfg.admin_port)
@@ -269,10 +326,17 @@ class Node:
                 await asyncio.wait_for(stop.wait(), seconds)
 
     def _announce(self) -> None:
-        ports = {"amqp": self.amqp_port, "admin": self.admin_port, "amqps": self.tls_port,
-                 "pid": os.getpid(), "node": self.cfg.node_id}
-        line = (f"tandem node {self.cfg.node_id} ready: amqp={self.amqp_port} "
-                f"admin={self.admin_port}" + (f" amqps={self.tls_port}" if self.tls_port else ""))
+        ports = {
+            "amqp": self.amqp_port,
+            "admin": self.admin_port,
+            "amqps": self.tls_port,
+            "pid": os.getpid(),
+            "node": self.cfg.node_id,
+        }
+        line = (
+            f"tandem node {self.cfg.node_id} ready: amqp={self.amqp_port} "
+            f"admin={self.admin_port}" + (f" amqps={self.tls_port}" if self.tls_port else "")
+        )
         print(line, flush=True)
         log.info("%s", line)
         if self.cfg.data_dir is not None:

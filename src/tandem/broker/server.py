@@ -26,8 +26,14 @@ def is_loopback(host: str) -> bool:
 class AMQPProtocol(asyncio.Protocol):
     """Glue between an asyncio transport and a protocol.connection.Connection."""
 
-    def __init__(self, broker: Broker, hub: conn_mod.Hub, limits: conn_mod.Limits,
-                 registry: set[AMQPProtocol], max_connections: int) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        hub: conn_mod.Hub,
+        limits: conn_mod.Limits,
+        registry: set[AMQPProtocol],
+        max_connections: int,
+    ) -> None:
         self.broker = broker
         self.hub = hub
         self.limits = limits
@@ -45,14 +51,18 @@ class AMQPProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
-        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)  # type: ignore[attr-defined]
         peername = transport.get_extra_info("peername") or ("?", 0)
         host = str(peername[0])
         self.conn = conn_mod.Connection(
-            self.broker, self.hub, self, f"{host}:{peername[1]}", is_loopback(host), self.limits)
+            self.broker, self.hub, self, f"{host}:{peername[1]}", is_loopback(host), self.limits
+        )
         if len(self.registry) >= self.max_connections:
-            log.warning("refusing connection from %s: connection limit %d reached",
-                        self.conn.peer, self.max_connections)
+            log.warning(
+                "refusing connection from %s: connection limit %d reached",
+                self.conn.peer,
+                self.max_connections,
+            )
             transport.close()
             return
         self.registry.add(self)
@@ -135,10 +145,22 @@ class AMQPProtocol(asyncio.Protocol):
             self.transport.abort()
 
 
-async def serve(broker: Broker, hub: conn_mod.Hub, limits: conn_mod.Limits, host: str,
-                port: int, registry: set[AMQPProtocol], max_connections: int,
-                ssl: Any = None) -> asyncio.Server:
+async def serve(
+    broker: Broker,
+    hub: conn_mod.Hub,
+    limits: conn_mod.Limits,
+    host: str,
+    port: int,
+    registry: set[AMQPProtocol],
+    max_connections: int,
+    ssl: Any = None,
+) -> asyncio.Server:
     loop = asyncio.get_running_loop()
     return await loop.create_server(
         lambda: AMQPProtocol(broker, hub, limits, registry, max_connections),
-        host, port, ssl=ssl, reuse_address=True, backlog=1024)
+        host,
+        port,
+        ssl=ssl,
+        reuse_address=True,
+        backlog=1024,
+    )

@@ -64,8 +64,15 @@ class Users:
         self.users: dict[str, User] = {}
         self.permissions: dict[tuple[str, str], Permission] = {}
 
-    def add(self, name: str, *, password: str | None = None, password_hash: str | None = None,
-            tags: list[str] | None = None, loopback_only: bool = False) -> User:
+    def add(
+        self,
+        name: str,
+        *,
+        password: str | None = None,
+        password_hash: str | None = None,
+        tags: list[str] | None = None,
+        loopback_only: bool = False,
+    ) -> User:
         if password_hash is None:
             if password is None:
                 raise ValueError(f"user {name!r} needs a password or a password_hash")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from tandem.broker.model import message as message_mod
 from tandem.broker.model.message import Message
@@ -10,7 +10,7 @@ from tandem.broker.model.message import Message
 if TYPE_CHECKING:
     from tandem.broker.model.queue import Queue
 
-    Destination = Union["Queue", "Exchange"]
+    Destination: TypeAlias = "Queue | Exchange"
 
 KINDS = ("direct", "fanout", "topic", "headers")
 
@@ -23,7 +23,10 @@ class Binding:
     __slots__ = ("arguments", "destination", "routing_key", "source")
 
     def __init__(
-        self, source: Exchange, destination: Destination, routing_key: str,
+        self,
+        source: Exchange,
+        destination: Destination,
+        routing_key: str,
         arguments: dict[str, Any],
     ) -> None:
         self.source = source
@@ -42,8 +45,13 @@ class Exchange:
     kind = ""
 
     def __init__(
-        self, name: str, *, durable: bool = False, auto_delete: bool = False,
-        internal: bool = False, arguments: dict[str, Any] | None = None,
+        self,
+        name: str,
+        *,
+        durable: bool = False,
+        auto_delete: bool = False,
+        internal: bool = False,
+        arguments: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.durable = durable
@@ -91,8 +99,10 @@ class DirectExchange(Exchange):
             dests.append(b.destination)
 
     def _index_remove(self, b: Binding) -> None:
-        if any(o.destination is b.destination and o.routing_key == b.routing_key
-               for o in self.bindings.values()):
+        if any(
+            o.destination is b.destination and o.routing_key == b.routing_key
+            for o in self.bindings.values()
+        ):
             return
         dests = self.table.get(b.routing_key, [])
         if b.destination in dests:
@@ -177,10 +187,14 @@ class HeadersExchange(Exchange):
     def matches(binding_args: dict[str, Any], headers: dict[str, Any]) -> bool:
         mode = str(binding_args.get("x-match", "all"))
         with_x = mode.endswith("-with-x")
-        wanted = {k: v for k, v in binding_args.items()
-                  if k != "x-match" and (with_x or not k.startswith("x-"))}
+        wanted = {
+            k: v
+            for k, v in binding_args.items()
+            if k != "x-match" and (with_x or not k.startswith("x-"))
+        }
         if not wanted:
             return mode.startswith("all")
+
         def ok(k: str, v: Any) -> bool:
             return k in headers and headers[k] == v
 

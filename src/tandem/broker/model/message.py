@@ -71,8 +71,9 @@ class Message:
         self.ts = 0  # publish time (clock ms), set when some TTL applies
 
     def copy(self) -> Message:
-        m = Message(self.exchange, self.routing_key, self.route, self.props, self.body,
-                    self.body_size)
+        m = Message(
+            self.exchange, self.routing_key, self.route, self.props, self.body, self.body_size
+        )
         m.persistent = self.persistent
         m.priority = self.priority
         m.expiration = self.expiration
@@ -102,6 +103,13 @@ def scan(msg: Message) -> None:
 
     Raises ValueError on a truncated or malformed property list.
     """
+    try:
+        _scan(msg)
+    except (IndexError, struct.error):
+        raise ValueError("truncated content properties") from None
+
+
+def _scan(msg: Message) -> None:
     props = msg.props
     if len(props) < 2:
         raise ValueError("content header without property flags")
@@ -152,7 +160,7 @@ def decode_properties(props: bytes) -> commands.Basic.Properties:
 
 
 def encode_properties(p: commands.Basic.Properties) -> bytes:
-    return p.marshal()  # type: ignore[no-any-return]
+    return p.marshal()
 
 
 def headers_of(msg: Message) -> dict[str, Any]:
@@ -162,4 +170,4 @@ def headers_of(msg: Message) -> dict[str, Any]:
 
 
 def decode_table(raw: bytes) -> dict[str, Any]:
-    return decode.field_table(raw)[1]  # type: ignore[no-any-return]
+    return decode.field_table(raw)[1]

@@ -79,9 +79,18 @@ class PriorityBuffer:
 
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 # Arguments whose values must match on redeclare; RabbitMQ ignores the ones it does not know.
-EQUIVALENCE_ARGS = ("x-message-ttl", "x-expires", "x-max-length", "x-max-length-bytes",
-                    "x-overflow", "x-dead-letter-exchange", "x-dead-letter-routing-key",
-                    "x-max-priority", "x-queue-type", "x-tandem-replicate")
+EQUIVALENCE_ARGS = (
+    "x-message-ttl",
+    "x-expires",
+    "x-max-length",
+    "x-max-length-bytes",
+    "x-overflow",
+    "x-dead-letter-exchange",
+    "x-dead-letter-routing-key",
+    "x-max-priority",
+    "x-queue-type",
+    "x-tandem-replicate",
+)
 REPLICATE_MODES = ("none", "configuration", "all")
 
 
@@ -166,29 +175,35 @@ class Queue:
     ) -> str | None:
         """Why a redeclare with these properties does not match, or None."""
         if durable != self.durable:
-            return f"inequivalent arg 'durable' for queue '{self.name}' in vhost "\
-                f"'{self.vhost.name}': received '{str(durable).lower()}' but current is "\
+            return (
+                f"inequivalent arg 'durable' for queue '{self.name}' in vhost "
+                f"'{self.vhost.name}': received '{str(durable).lower()}' but current is "
                 f"'{str(self.durable).lower()}'"
+            )
         if exclusive != (self.exclusive_owner is not None):
             return f"inequivalent arg 'exclusive' for queue '{self.name}'"
         if auto_delete != self.auto_delete:
-            return f"inequivalent arg 'auto_delete' for queue '{self.name}' in vhost "\
-                f"'{self.vhost.name}': received '{str(auto_delete).lower()}' but current is "\
+            return (
+                f"inequivalent arg 'auto_delete' for queue '{self.name}' in vhost "
+                f"'{self.vhost.name}': received '{str(auto_delete).lower()}' but current is "
                 f"'{str(self.auto_delete).lower()}'"
+            )
         for key in EQUIVALENCE_ARGS:
             if arguments.get(key) != self.arguments.get(key):
-                return f"inequivalent arg '{key}' for queue '{self.name}' in vhost "\
-                    f"'{self.vhost.name}': received {arguments.get(key)!r} but current is "\
+                return (
+                    f"inequivalent arg '{key}' for queue '{self.name}' in vhost "
+                    f"'{self.vhost.name}': received {arguments.get(key)!r} but current is "
                     f"{self.arguments.get(key)!r}"
+                )
         return None
 
     # -- publishing --------------------------------------------------------------------
 
     def enqueue(self, msg: Message) -> bool:
         """Take a routed message. False when the queue refuses it (reject-publish overflow)."""
-        if self.max_length is not None or self.max_bytes is not None:
-            if not self._make_room(msg):
-                return False
+        limited = self.max_length is not None or self.max_bytes is not None
+        if limited and not self._make_room(msg):
+            return False
         self.published += 1
         msg.refs += 1
         if msg.expiration is not None or self.ttl is not None:
@@ -401,9 +416,7 @@ class Queue:
 
     def idle_expired(self, now: int) -> bool:
         return (
-            self.expires is not None
-            and not self.consumers
-            and now - self.last_used >= self.expires
+            self.expires is not None and not self.consumers and now - self.last_used >= self.expires
         )
 
     def on_deleted(self, notify: Callable[[Consumer], None] | None = None) -> None:

@@ -49,8 +49,14 @@ class VirtualHost:
         return ex
 
     def declare_exchange(
-        self, name: str, kind: str, *, passive: bool = False, durable: bool = False,
-        auto_delete: bool = False, internal: bool = False,
+        self,
+        name: str,
+        kind: str,
+        *,
+        passive: bool = False,
+        durable: bool = False,
+        auto_delete: bool = False,
+        internal: bool = False,
         arguments: dict[str, Any] | None = None,
     ) -> Exchange:
         existing = self.exchanges.get(name)
@@ -59,30 +65,38 @@ class VirtualHost:
                 raise errors.NotFound(f"no exchange '{name}' in vhost '{self.name}'")
             return existing
         if name == "" or (name.startswith("amq.") and existing is None):
-            raise errors.AccessRefused(
-                f"exchange name '{name}' contains reserved prefix 'amq.*'"
-            )
+            raise errors.AccessRefused(f"exchange name '{name}' contains reserved prefix 'amq.*'")
         if kind not in EXCHANGE_TYPES:
             raise errors.CommandInvalid(f"invalid exchange type '{kind}'")
         if existing is not None:
-            if (existing.kind != kind or existing.durable != durable
-                    or existing.auto_delete != auto_delete or existing.internal != internal):
+            if (
+                existing.kind != kind
+                or existing.durable != durable
+                or existing.auto_delete != auto_delete
+                or existing.internal != internal
+            ):
                 raise errors.PreconditionFailed(
                     f"inequivalent arg 'type' or flags for exchange '{name}' in vhost "
                     f"'{self.name}': received '{kind}' but current is '{existing.kind}'"
                 )
             return existing
-        ex = EXCHANGE_TYPES[kind](name, durable=durable, auto_delete=auto_delete,
-                                  internal=internal, arguments=arguments)
+        ex = EXCHANGE_TYPES[kind](
+            name, durable=durable, auto_delete=auto_delete, internal=internal, arguments=arguments
+        )
         self.exchanges[name] = ex
         self.journal.define(self.name, "exchange.declare", self.exchange_body(ex), durable)
         return ex
 
     @staticmethod
     def exchange_body(ex: Exchange) -> dict[str, Any]:
-        return {"name": ex.name, "type": ex.kind, "durable": ex.durable,
-                "auto_delete": ex.auto_delete, "internal": ex.internal,
-                "arguments": ex.arguments}
+        return {
+            "name": ex.name,
+            "type": ex.kind,
+            "durable": ex.durable,
+            "auto_delete": ex.auto_delete,
+            "internal": ex.internal,
+            "arguments": ex.arguments,
+        }
 
     def delete_exchange(self, name: str, if_unused: bool = False) -> None:
         ex = self.exchanges.get(name)
@@ -115,8 +129,13 @@ class VirtualHost:
         return q
 
     def declare_queue(
-        self, name: str, *, passive: bool = False, durable: bool = False,
-        exclusive_owner: object | None = None, auto_delete: bool = False,
+        self,
+        name: str,
+        *,
+        passive: bool = False,
+        durable: bool = False,
+        exclusive_owner: object | None = None,
+        auto_delete: bool = False,
         arguments: dict[str, Any] | None = None,
     ) -> tuple[Queue, bool]:
         """Declare (or find) a queue; returns it and whether it was created."""
@@ -128,19 +147,22 @@ class VirtualHost:
         elif name.startswith("amq."):
             existing = self.queues.get(name)
             if existing is None:
-                raise errors.AccessRefused(
-                    f"queue name '{name}' contains reserved prefix 'amq.*'"
-                )
+                raise errors.AccessRefused(f"queue name '{name}' contains reserved prefix 'amq.*'")
         args = dict(arguments or {})
         existing = self.queues.get(name)
         if existing is not None:
-            why = existing.same_properties(durable, exclusive_owner is not None, auto_delete,
-                                           args)
+            why = existing.same_properties(durable, exclusive_owner is not None, auto_delete, args)
             if why is not None:
                 raise errors.PreconditionFailed(why)
             return existing, False
-        q = Queue(self, name, durable=durable, exclusive_owner=exclusive_owner,
-                  auto_delete=auto_delete, arguments=args)
+        q = Queue(
+            self,
+            name,
+            durable=durable,
+            exclusive_owner=exclusive_owner,
+            auto_delete=auto_delete,
+            arguments=args,
+        )
         self.queues[name] = q
         if q.replicate != "none" or durable:
             self.journal.define(self.name, "queue.declare", self.queue_body(q), durable)
@@ -149,8 +171,12 @@ class VirtualHost:
 
     @staticmethod
     def queue_body(q: Queue) -> dict[str, Any]:
-        return {"name": q.name, "durable": q.durable, "auto_delete": q.auto_delete,
-                "arguments": q.arguments}
+        return {
+            "name": q.name,
+            "durable": q.durable,
+            "auto_delete": q.auto_delete,
+            "arguments": q.arguments,
+        }
 
     def delete_queue(self, q: Queue, if_unused: bool = False, if_empty: bool = False) -> int:
         if q.deleted:
@@ -158,9 +184,7 @@ class VirtualHost:
         if if_unused and q.consumers:
             raise errors.PreconditionFailed(f"queue '{q.name}' in vhost '{self.name}' in use")
         if if_empty and q.messages:
-            raise errors.PreconditionFailed(
-                f"queue '{q.name}' in vhost '{self.name}' is not empty"
-            )
+            raise errors.PreconditionFailed(f"queue '{q.name}' in vhost '{self.name}' is not empty")
         count = len(q.messages)
         for ex in list(self.exchanges.values()):
             for b in list(ex.bindings.values()):
@@ -173,8 +197,13 @@ class VirtualHost:
 
     # -- bindings ----------------------------------------------------------------------
 
-    def bind(self, source: str, destination: Queue | Exchange, routing_key: str,
-             arguments: dict[str, Any] | None = None) -> None:
+    def bind(
+        self,
+        source: str,
+        destination: Queue | Exchange,
+        routing_key: str,
+        arguments: dict[str, Any] | None = None,
+    ) -> None:
         if source == "":
             raise errors.AccessRefused(
                 f"operation not permitted on the default exchange in vhost '{self.name}'"
@@ -188,12 +217,21 @@ class VirtualHost:
     @staticmethod
     def binding_body(b: Binding) -> dict[str, Any]:
         dest = b.destination
-        return {"source": b.source.name, "destination": dest.name,
-                "destination_type": "queue" if isinstance(dest, Queue) else "exchange",
-                "routing_key": b.routing_key, "arguments": b.arguments}
+        return {
+            "source": b.source.name,
+            "destination": dest.name,
+            "destination_type": "queue" if isinstance(dest, Queue) else "exchange",
+            "routing_key": b.routing_key,
+            "arguments": b.arguments,
+        }
 
-    def unbind(self, source: str, destination: Queue | Exchange, routing_key: str,
-               arguments: dict[str, Any] | None = None) -> None:
+    def unbind(
+        self,
+        source: str,
+        destination: Queue | Exchange,
+        routing_key: str,
+        arguments: dict[str, Any] | None = None,
+    ) -> None:
         if source == "":
             raise errors.AccessRefused(
                 f"operation not permitted on the default exchange in vhost '{self.name}'"
@@ -208,8 +246,9 @@ class VirtualHost:
         ex = b.source
         if ex.unbind(b) is None:
             return
-        self.journal.define(self.name, "unbind", self.binding_body(b),
-                            ex.durable and b.destination.durable)
+        self.journal.define(
+            self.name, "unbind", self.binding_body(b), ex.durable and b.destination.durable
+        )
         if ex.auto_delete and not ex.bindings and not ex.deleted:
             self._remove_exchange(ex)
 
@@ -253,22 +292,29 @@ class VirtualHost:
         if ex is None:
             return
         props = message_mod.decode_properties(msg.props)
-        headers = dict(props.headers or {})
-        deaths = list(headers.get("x-death") or [])
+        headers: dict[str, Any] = dict(props.headers or {})
+        deaths: list[dict[str, Any]] = [
+            dict(d) for d in headers.get("x-death") or [] if isinstance(d, dict)
+        ]
         routing_keys = [msg.routing_key]
         for i, death in enumerate(deaths):
             if death.get("queue") == queue.name and death.get("reason") == reason:
-                death = dict(death)
                 death["count"] = int(death.get("count", 1)) + 1
                 deaths.pop(i)
                 deaths.insert(0, death)
                 break
         else:
-            deaths.insert(0, {
-                "count": 1, "reason": reason, "queue": queue.name,
-                "time": int(time.time()), "exchange": msg.exchange,
-                "routing-keys": routing_keys,
-            })
+            deaths.insert(
+                0,
+                {
+                    "count": 1,
+                    "reason": reason,
+                    "queue": queue.name,
+                    "time": int(time.time()),
+                    "exchange": msg.exchange,
+                    "routing-keys": routing_keys,
+                },
+            )
         if "x-first-death-queue" not in headers:
             headers["x-first-death-queue"] = queue.name
             headers["x-first-death-reason"] = reason
@@ -280,16 +326,24 @@ class VirtualHost:
         props.headers = headers
         props.expiration = None
         rk = queue.dlrk if queue.dlrk is not None else msg.routing_key
-        new = Message(ex.name, rk, message_mod.encode_route(ex.name, rk),
-                      message_mod.encode_properties(props), msg.body, msg.body_size)
+        new = Message(
+            ex.name,
+            rk,
+            message_mod.encode_route(ex.name, rk),
+            message_mod.encode_properties(props),
+            msg.body,
+            msg.body_size,
+        )
         new.persistent = msg.persistent
         new.priority = msg.priority
         new.ts = self.clock()
         for q in self.route(ex, new):
             # A cycle with no rejection in it would loop forever: drop it, as RabbitMQ does.
-            if any(d.get("queue") == q.name for d in deaths) and all(
-                d.get("reason") != "rejected" for d in deaths
-            ) and q is queue:
+            if (
+                any(d.get("queue") == q.name for d in deaths)
+                and all(d.get("reason") != "rejected" for d in deaths)
+                and q is queue
+            ):
                 continue
             q.enqueue(new)
 

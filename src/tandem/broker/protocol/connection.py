@@ -95,11 +95,17 @@ class Hub(Protocol):
 class Consumer:
     """A basic.consume on a channel; implements the model's Consumer port."""
 
-    __slots__ = ("channel", "exclusive", "no_ack", "prefetch", "queue", "tag", "tag_enc",
-                 "unacked")
+    __slots__ = ("channel", "exclusive", "no_ack", "prefetch", "queue", "tag", "tag_enc", "unacked")
 
-    def __init__(self, channel: Channel, queue: Queue | None, tag: str, no_ack: bool,
-                 exclusive: bool, prefetch: int) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        queue: Queue | None,
+        tag: str,
+        no_ack: bool,
+        exclusive: bool,
+        prefetch: int,
+    ) -> None:
         self.channel = channel
         self.queue = queue
         self.tag = tag
@@ -168,7 +174,7 @@ class Channel:
 
     # -- delivery (hot path) --
 
-    def deliver(self, consumer: Consumer, queue: Queue, msg: Message) -> None:
+    def deliver(self, consumer: Consumer, queue: Queue | None, msg: Message) -> None:
         self.delivery_tag = tag = self.delivery_tag + 1
         if not consumer.no_ack:
             self.unacked[tag] = (queue, msg, consumer)
@@ -182,16 +188,25 @@ class Channel:
         msize = 13 + len(ctag) + len(route)
         if isinstance(body, bytes) and len(body) <= conn.frame_max - 8:
             parts = [
-                METHOD_HDR.pack(1, ch, msize, 60, 60), ctag,
-                U64_U8.pack(tag, msg.redelivered), route, FRAME_END_BYTE,
-                CONTENT_HDR.pack(2, ch, 12 + len(props), 60, 0, msg.body_size), props,
+                METHOD_HDR.pack(1, ch, msize, 60, 60),
+                ctag,
+                U64_U8.pack(tag, msg.redelivered),
+                route,
+                FRAME_END_BYTE,
+                CONTENT_HDR.pack(2, ch, 12 + len(props), 60, 0, msg.body_size),
+                props,
                 FRAME_END_BYTE,
             ]
             if body:
                 parts += (FRAME_HDR.pack(3, ch, len(body)), body, FRAME_END_BYTE)
         else:
-            parts = [METHOD_HDR.pack(1, ch, msize, 60, 60), ctag,
-                     U64_U8.pack(tag, msg.redelivered), route, FRAME_END_BYTE]
+            parts = [
+                METHOD_HDR.pack(1, ch, msize, 60, 60),
+                ctag,
+                U64_U8.pack(tag, msg.redelivered),
+                route,
+                FRAME_END_BYTE,
+            ]
             parts += frames.content_frames(ch, props, body, msg.body_size, conn.frame_max)
         out = conn.out
         if not out:
@@ -274,9 +289,16 @@ class Handshake:
 class Connection:
     """One client connection; the server feeds it bytes and writes `out`."""
 
-    def __init__(self, broker: Broker, hub: Hub, transport: Transport, peer: str,
-                 loopback: bool, limits: Limits | None = None, clock: Callable[[], float]
-                 | None = None) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        hub: Hub,
+        transport: Transport,
+        peer: str,
+        loopback: bool,
+        limits: Limits | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.broker = broker
         self.hub = hub
         self.transport = transport
@@ -353,8 +375,7 @@ class Connection:
         except errors.AMQPError as err:
             self._error(0, err)
         except Exception as exc:
-            log.exception("unexpected error, please report it as a bug: connection %s",
-                          self._who())
+            log.exception("unexpected error, please report it as a bug: connection %s", self._who())
             self._error(0, errors.InternalError(f"internal error: {exc.__class__.__name__}"))
         self._after_batch()
 
@@ -428,8 +449,9 @@ class Connection:
     # -- errors --
 
     def _bad_header(self) -> None:
-        log.info("connection from %s sent a wrong protocol header %r", self.peer,
-                 bytes(self.buf[:8]))
+        log.info(
+            "connection from %s sent a wrong protocol header %r", self.peer, bytes(self.buf[:8])
+        )
         self.write(frames.PROTOCOL_HEADER)
         self._teardown("wrong protocol header")
         self.transport.close()
@@ -438,19 +460,21 @@ class Connection:
         if self.state in ("closing", "closed"):
             return
         if not err.hard and channel and channel in self.channels:
-            log.info("channel error on %s channel %d: %s", self._who(), channel,
-                     err.reply_text())
+            log.info("channel error on %s channel %d: %s", self._who(), channel, err.reply_text())
             ch = self.channels.pop(channel)
             ch.release()
             self.closing_channels.add(channel)
-            self.send_method(channel, commands.Channel.Close(
-                err.code, err.reply_text(), err.class_id, err.method_id))
+            self.send_method(
+                channel,
+                commands.Channel.Close(err.code, err.reply_text(), err.class_id, err.method_id),
+            )
             return
         code = err.code if err.hard else 541
         log.warning("closing connection %s: %s %s", self._who(), code, err.reply_text())
         self.close_reason = err.reply_text()
-        self.send_method(0, commands.Connection.Close(code, err.reply_text(), err.class_id,
-                                                      err.method_id))
+        self.send_method(
+            0, commands.Connection.Close(code, err.reply_text(), err.class_id, err.method_id)
+        )
         self.state = "closing"
         self._teardown(err.reply_text())
 
@@ -506,8 +530,11 @@ class Connection:
             self.missed_ticks += 1
         self.received_since_tick = False
         if self.missed_ticks >= 4:  # two heartbeat intervals
-            log.warning("closing connection %s: missed heartbeats from client, timeout: %ds",
-                        self._who(), self.heartbeat)
+            log.warning(
+                "closing connection %s: missed heartbeats from client, timeout: %ds",
+                self._who(),
+                self.heartbeat,
+            )
             self._teardown("missed heartbeats")
             return False
         return True
@@ -532,8 +559,11 @@ class Connection:
 
     def notify_blocked(self, reason: str) -> None:
         """An alarm went off: tell clients; publishers stop being read at their next publish."""
-        if self.state == "running" and self.capabilities.get("connection.blocked") \
-                and not self.blocked_sent:
+        if (
+            self.state == "running"
+            and self.capabilities.get("connection.blocked")
+            and not self.blocked_sent
+        ):
             self.blocked_sent = True
             self.send_method(0, commands.Connection.Blocked(reason))
 
@@ -548,7 +578,7 @@ class Connection:
     # -- connection class --
 
     def _send_start(self) -> None:
-        props = {
+        props: dict[str, Any] = {
             "product": self.limits.product,
             "version": self.limits.version,
             "platform": "Python",
@@ -557,8 +587,7 @@ class Connection:
             "information": "Licensed under the Apache License 2.0",
             "capabilities": SERVER_CAPABILITIES,
         }
-        self.send_method(0, commands.Connection.Start(
-            0, 9, props, "PLAIN AMQPLAIN", "en_US"))
+        self.send_method(0, commands.Connection.Start(0, 9, props, "PLAIN AMQPLAIN", "en_US"))
         self.state = "start"
 
     def _closing_method(self, buf: bytearray, start: int, end: int) -> None:
@@ -601,18 +630,23 @@ class Connection:
                     return
                 except IndexError:
                     raise errors.SyntaxError_(
-                        "truncated method frame", class_id, method_id) from None
+                        "truncated method frame", class_id, method_id
+                    ) from None
             method = frames.decode_method(class_id, method_id, bytes(buf[start + 4 : end]))
             if channel is None:
                 if (class_id, method_id) == (20, 10):
                     self._channel_open(ch)
                     return
-                raise errors.ChannelError(f"expected 'channel.open' on channel {ch}",
-                                          class_id, method_id)
+                raise errors.ChannelError(
+                    f"expected 'channel.open' on channel {ch}", class_id, method_id
+                )
             if channel.pub_exchange is not None:
                 raise errors.UnexpectedFrame(
                     f"expected content header for class 60, got non content header frame "
-                    f"instead on channel {ch}", class_id, method_id)
+                    f"instead on channel {ch}",
+                    class_id,
+                    method_id,
+                )
             try:
                 self._channel_method(channel, class_id, method_id, method)
             except errors.AMQPError as err:
@@ -627,7 +661,8 @@ class Connection:
         state = self.state
         if class_id != 10:
             raise errors.CommandInvalid(
-                f"method {method.name} is not allowed on channel 0", class_id, method_id)
+                f"method {method.name} is not allowed on channel 0", class_id, method_id
+            )
         if state == "start" and method_id == 11:
             self._start_ok(method)
         elif state == "tune" and method_id == 31:
@@ -648,7 +683,9 @@ class Connection:
         else:
             raise errors.CommandInvalid(
                 f"unexpected method {method.name} in connection state '{state}'",
-                class_id, method_id)
+                class_id,
+                method_id,
+            )
 
     def _start_ok(self, method: commands.Connection.StartOk) -> None:
         self.client_properties = dict(method.client_properties or {})
@@ -661,8 +698,10 @@ class Connection:
         if mechanism == "PLAIN":
             parts = raw.split(b"\x00")
             if len(parts) == 3:
-                username, password = parts[1].decode(errors="replace"), \
-                    parts[2].decode(errors="replace")
+                username, password = (
+                    parts[1].decode(errors="replace"),
+                    parts[2].decode(errors="replace"),
+                )
         elif mechanism == "AMQPLAIN":
             try:
                 table = decode.field_table(len(raw).to_bytes(4, "big") + raw)[1]
@@ -671,19 +710,26 @@ class Connection:
                 username = password = None
         else:
             raise errors.connection_access_refused(
-                f"unsupported authentication mechanism '{mechanism}'")
+                f"unsupported authentication mechanism '{mechanism}'"
+            )
         if username is None or password is None:
             raise errors.SyntaxError_(f"malformed {mechanism} response", 10, 11)
         user = self.broker.users.authenticate(username, password, self.loopback)
         if user is None:
-            log.warning("login failed from %s for user '%s' (mechanism %s)", self.peer,
-                        username, mechanism)
+            log.warning(
+                "login failed from %s for user '%s' (mechanism %s)", self.peer, username, mechanism
+            )
             raise errors.connection_access_refused(
                 f"Login was refused using authentication mechanism {mechanism}. For details "
-                "see the broker logfile.")
+                "see the broker logfile."
+            )
         self.user = username
-        self.send_method(0, commands.Connection.Tune(
-            self.limits.channel_max, self.limits.frame_max, self.limits.heartbeat))
+        self.send_method(
+            0,
+            commands.Connection.Tune(
+                self.limits.channel_max, self.limits.frame_max, self.limits.heartbeat
+            ),
+        )
         self.state = "tune"
 
     def _tune_ok(self, method: commands.Connection.TuneOk) -> None:
@@ -691,12 +737,18 @@ class Connection:
         if frame_max < frames.FRAME_MIN_SIZE or frame_max > self.limits.frame_max:
             raise errors.NotAllowed(
                 f"negotiated frame_max = {frame_max} is outside [{frames.FRAME_MIN_SIZE}, "
-                f"{self.limits.frame_max}]", 10, 31)
+                f"{self.limits.frame_max}]",
+                10,
+                31,
+            )
         channel_max = method.channel_max or self.limits.channel_max
         if channel_max > self.limits.channel_max:
             raise errors.NotAllowed(
                 f"negotiated channel_max = {channel_max} is higher than the maximum allowed "
-                f"value ({self.limits.channel_max})", 10, 31)
+                f"value ({self.limits.channel_max})",
+                10,
+                31,
+            )
         self.frame_max = frame_max
         self.channel_max = channel_max
         self.heartbeat = method.heartbeat
@@ -709,8 +761,9 @@ class Connection:
             raise errors.NotAllowed(f"vhost {name} not found", 10, 40)
         if self.broker.users.permission(self.user, name) is None:
             log.warning("user '%s' from %s may not open vhost '%s'", self.user, self.peer, name)
-            raise errors.NotAllowed(f"access to vhost '{name}' refused for user '{self.user}'",
-                                    10, 40)
+            raise errors.NotAllowed(
+                f"access to vhost '{name}' refused for user '{self.user}'", 10, 40
+            )
         self.vhost_name = name
         self.vhost_obj = vhost
         self.send_method(0, commands.Connection.OpenOk())
@@ -726,8 +779,10 @@ class Connection:
             raise errors.ChannelError("channel.open before the connection is open", 20, 10)
         if number > self.channel_max:
             raise errors.NotAllowed(
-                f"channel number {number} exceeds the negotiated channel_max "
-                f"{self.channel_max}", 20, 10)
+                f"channel number {number} exceeds the negotiated channel_max {self.channel_max}",
+                20,
+                10,
+            )
         self.channels[number] = Channel(self, number)
         self.send_method(number, commands.Channel.OpenOk())
 
@@ -736,8 +791,9 @@ class Connection:
         if handler is None:
             if (class_id, method_id) == (20, 10):
                 raise errors.ChannelError(f"channel {ch.number} is already open", 20, 10)
-            raise errors.CommandInvalid(f"method {m.name} is not allowed from a client",
-                                        class_id, method_id)
+            raise errors.CommandInvalid(
+                f"method {m.name} is not allowed from a client", class_id, method_id
+            )
         handler(self, ch, m)
 
     def _channel_close(self, ch: Channel, m: commands.Channel.Close) -> None:
@@ -763,7 +819,8 @@ class Connection:
         if perm is None or not perm.allows(what, name):
             raise errors.AccessRefused(
                 f"access to {kind} '{name}' in vhost '{self.vhost_name}' refused for user "
-                f"'{self.user}'")
+                f"'{self.user}'"
+            )
 
     def _own(self, q: Queue) -> Queue:
         if q.exclusive_owner is not None and q.exclusive_owner is not self:
@@ -771,7 +828,8 @@ class Connection:
                 f"cannot obtain exclusive access to locked queue '{q.name}' in vhost "
                 f"'{self.vhost_name}'. It could be originally declared on another connection "
                 "or the exclusive property value does not match that of the original "
-                "declaration.")
+                "declaration."
+            )
         return q
 
     def _queue(self, ch: Channel, name: str) -> Queue:
@@ -785,8 +843,14 @@ class Connection:
         if not m.passive:
             self._check("configure", m.exchange, "exchange")
         ch.vhost.declare_exchange(
-            m.exchange, m.exchange_type, passive=m.passive, durable=m.durable,
-            auto_delete=m.auto_delete, internal=m.internal, arguments=m.arguments)
+            m.exchange,
+            m.exchange_type,
+            passive=m.passive,
+            durable=m.durable,
+            auto_delete=m.auto_delete,
+            internal=m.internal,
+            arguments=m.arguments,
+        )
         if not m.nowait:
             self.send_method(ch.number, commands.Exchange.DeclareOk())
 
@@ -805,8 +869,9 @@ class Connection:
         else:
             ch.vhost.bind(m.source, dest, m.routing_key, m.arguments)
         if not m.nowait:
-            self.send_method(ch.number, commands.Exchange.UnbindOk() if unbind
-                             else commands.Exchange.BindOk())
+            self.send_method(
+                ch.number, commands.Exchange.UnbindOk() if unbind else commands.Exchange.BindOk()
+            )
 
     def _exchange_unbind(self, ch: Channel, m: Any) -> None:
         self._exchange_bind(ch, m, unbind=True)
@@ -825,15 +890,20 @@ class Connection:
             if existing is not None:
                 self._own(existing)
             q, created = vhost.declare_queue(
-                name, durable=m.durable, exclusive_owner=self if m.exclusive else None,
-                auto_delete=m.auto_delete, arguments=m.arguments)
+                name,
+                durable=m.durable,
+                exclusive_owner=self if m.exclusive else None,
+                auto_delete=m.auto_delete,
+                arguments=m.arguments,
+            )
             if created and m.exclusive:
                 self.exclusive_queues.append(q)
         q.touch()
         ch.last_queue = q.name
         if not m.nowait:
-            self.send_method(ch.number, commands.Queue.DeclareOk(
-                q.name, len(q.messages), len(q.consumers)))
+            self.send_method(
+                ch.number, commands.Queue.DeclareOk(q.name, len(q.messages), len(q.consumers))
+            )
 
     @staticmethod
     def _queue_name(ch: Channel, name: str) -> str:
@@ -879,8 +949,7 @@ class Connection:
 
     def _basic_qos(self, ch: Channel, m: commands.Basic.Qos) -> None:
         if m.prefetch_size:
-            raise errors.NotImplemented_(
-                f"prefetch_size!=0 ({m.prefetch_size})", 60, 10)
+            raise errors.NotImplemented_(f"prefetch_size!=0 ({m.prefetch_size})", 60, 10)
         if m.global_:
             ch.global_prefetch = m.prefetch_count
         else:
@@ -898,7 +967,8 @@ class Connection:
         if qname == REPLY_TO:
             if not m.no_ack:
                 raise errors.PreconditionFailed(
-                    "reply consumer cannot acknowledge (no_ack must be true)")
+                    "reply consumer cannot acknowledge (no_ack must be true)"
+                )
             c = Consumer(ch, None, tag, True, False, 0)
             token = secrets.token_urlsafe(18)
             self.hub.reply_to[token] = c
@@ -918,7 +988,7 @@ class Connection:
         self.dirty_queues[id(q)] = q
 
     def _basic_cancel(self, ch: Channel, m: commands.Basic.Cancel) -> None:
-        c = ch.consumers.pop(m.consumer_tag, None)
+        c = ch.consumers.pop(m.consumer_tag or "", None)
         if c is not None:
             if c.queue is not None:
                 c.queue.remove_consumer(c)
@@ -941,11 +1011,16 @@ class Connection:
         else:
             q.unacked += 1
             ch.unacked[tag] = (q, msg, None)
-        payload = (frames.METHOD_IDS.pack(60, 71) + U64_U8.pack(tag, msg.redelivered)
-                   + msg.route + len(q.messages).to_bytes(4, "big"))
+        payload = (
+            frames.METHOD_IDS.pack(60, 71)
+            + U64_U8.pack(tag, msg.redelivered)
+            + msg.route
+            + len(q.messages).to_bytes(4, "big")
+        )
         parts = [FRAME_HDR.pack(1, ch.number, len(payload)), payload, FRAME_END_BYTE]
-        parts += frames.content_frames(ch.number, msg.props, msg.body, msg.body_size,
-                                       self.frame_max)
+        parts += frames.content_frames(
+            ch.number, msg.props, msg.body, msg.body_size, self.frame_max
+        )
         self.write(b"".join(parts))
 
     def _ack(self, ch: Channel, tag: int, multiple: bool) -> None:
@@ -965,8 +1040,7 @@ class Connection:
                     if t > tag:
                         break
                     tags.append(t)
-                if tag not in unacked and (not tags or tags[-1] != tag) and \
-                        tag > ch.delivery_tag:
+                if tag not in unacked and (not tags or tags[-1] != tag) and tag > ch.delivery_tag:
                     raise errors.PreconditionFailed(f"unknown delivery tag {tag}", 60, 80)
             entries = [(t, unacked.pop(t)) for t in tags]
         else:
@@ -990,9 +1064,9 @@ class Connection:
 
     def _basic_reject(self, ch: Channel, m: commands.Basic.Reject) -> None:
         if ch.tx:
-            ch.tx_settles.append(("reject", m.delivery_tag, False, m.requeue))
+            ch.tx_settles.append(("reject", m.delivery_tag or 0, False, m.requeue))
             return
-        self._settle(ch, m.delivery_tag, False, "reject", m.requeue)
+        self._settle(ch, m.delivery_tag or 0, False, "reject", m.requeue)
 
     def _basic_nack(self, ch: Channel, m: commands.Basic.Nack) -> None:
         if ch.tx:
@@ -1025,8 +1099,11 @@ class Connection:
         if names is None:
             if len(cache) > 10000:
                 cache.clear()
-            names = (route[1 : 1 + elen].decode(errors="replace"),
-                     route[2 + elen :].decode(errors="replace"), route)
+            names = (
+                route[1 : 1 + elen].decode(errors="replace"),
+                route[2 + elen :].decode(errors="replace"),
+                route,
+            )
             cache[route] = names
         exchange, rk, route = names  # the cached route object: one copy for every message
         bits = buf[bits_pos]
@@ -1037,8 +1114,8 @@ class Connection:
             self._check("write", exchange, "exchange")
             if ex.internal:
                 raise errors.AccessRefused(
-                    f"cannot publish to internal exchange '{exchange}' in vhost "
-                    f"'{self.vhost_name}'")
+                    f"cannot publish to internal exchange '{exchange}' in vhost '{self.vhost_name}'"
+                )
             ch.write_ok.add(exchange)
         ch.pub_exchange = ex
         ch.pub_rk = rk
@@ -1052,16 +1129,21 @@ class Connection:
         if ch is None or ch.pub_exchange is None or ch.pub_props is not None:
             if number in self.closing_channels:
                 return
-            raise errors.UnexpectedFrame(
-                f"unexpected content header frame on channel {number}")
+            raise errors.UnexpectedFrame(f"unexpected content header frame on channel {number}")
         class_id, _weight, size = HEADER_PAYLOAD.unpack_from(buf, start)
         if class_id != 60:
             raise errors.FrameError(f"content header for class {class_id}, expected 60")
         if size > self.limits.max_message_size:
             ch.pub_exchange = None
-            self._error(number, errors.PreconditionFailed(
-                f"message size {size} is larger than configured max size "
-                f"{self.limits.max_message_size}", 60, 40))
+            self._error(
+                number,
+                errors.PreconditionFailed(
+                    f"message size {size} is larger than configured max size "
+                    f"{self.limits.max_message_size}",
+                    60,
+                    40,
+                ),
+            )
             self.closing_channels.add(number)
             return
         props = bytes(buf[start + 12 : end])
@@ -1086,7 +1168,8 @@ class Connection:
         received = ch.pub_received + len(chunk)
         if received > ch.pub_size:
             raise errors.FrameError(
-                f"content body is longer than the {ch.pub_size} bytes its header announced")
+                f"content body is longer than the {ch.pub_size} bytes its header announced"
+            )
         if received == ch.pub_size and not ch.pub_body:
             self._publish_complete(ch, chunk)
             return
@@ -1106,14 +1189,14 @@ class Connection:
         try:
             message_mod.scan(msg)
         except ValueError as exc:
-            self._error(ch.number, errors.PreconditionFailed(
-                f"invalid content properties: {exc}", 60, 40))
+            self._error(
+                ch.number, errors.PreconditionFailed(f"invalid content properties: {exc}", 60, 40)
+            )
             return
         msg.ts = ch.vhost.clock()
         if ch.confirm:
             ch.publish_seq += 1
-        if REPLY_TO_BYTES in msg.props or (ex.name == "" and msg.routing_key.startswith(
-                REPLY_TO)):
+        if REPLY_TO_BYTES in msg.props or (ex.name == "" and msg.routing_key.startswith(REPLY_TO)):
             try:
                 if self._direct_reply(ch, msg, ch.pub_mandatory):
                     return
@@ -1151,11 +1234,16 @@ class Connection:
         return stored
 
     def _return(self, ch: Channel, msg: Message, code: int, text: str) -> None:
-        payload = (frames.METHOD_IDS.pack(60, 50) + code.to_bytes(2, "big")
-                   + message_mod.encode_shortstr(text) + msg.route)
+        payload = (
+            frames.METHOD_IDS.pack(60, 50)
+            + code.to_bytes(2, "big")
+            + message_mod.encode_shortstr(text)
+            + msg.route
+        )
         parts = [FRAME_HDR.pack(1, ch.number, len(payload)), payload, FRAME_END_BYTE]
-        parts += frames.content_frames(ch.number, msg.props, msg.body, msg.body_size,
-                                       self.frame_max)
+        parts += frames.content_frames(
+            ch.number, msg.props, msg.body, msg.body_size, self.frame_max
+        )
         self.write(b"".join(parts))
 
     def _direct_reply(self, ch: Channel, msg: Message, mandatory: bool) -> bool:
@@ -1167,16 +1255,16 @@ class Connection:
                 if mandatory:
                     self._return(ch, msg, 312, "NO_ROUTE")
             else:
-                consumer.channel.deliver(consumer, None, msg)  # type: ignore[arg-type]
+                consumer.channel.deliver(consumer, None, msg)
             if ch.confirm:
                 ch.confirm_now(ch.publish_seq)
             return True
         props = message_mod.decode_properties(msg.props)
         if props.reply_to == REPLY_TO:
-            token = ch.reply_token
-            if token is None or token not in self.hub.reply_to:
+            reply_token = ch.reply_token
+            if reply_token is None or reply_token not in self.hub.reply_to:
                 raise errors.PreconditionFailed("fast reply consumer does not exist", 60, 40)
-            props.reply_to = f"{REPLY_TO}.{token}"
+            props.reply_to = f"{REPLY_TO}.{reply_token}"
             msg.props = message_mod.encode_properties(props)
         return False
 
@@ -1184,8 +1272,7 @@ class Connection:
 
     def _confirm_select(self, ch: Channel, m: commands.Confirm.Select) -> None:
         if ch.tx:
-            raise errors.PreconditionFailed(
-                "cannot switch from tx to confirm mode", 85, 10)
+            raise errors.PreconditionFailed("cannot switch from tx to confirm mode", 85, 10)
         ch.confirm = True
         if not m.nowait:
             self.send_method(ch.number, commands.Confirm.SelectOk())
@@ -1209,7 +1296,8 @@ class Connection:
         number = ch.number
         if stored:
             self.broker.journal.when_synced(
-                lambda: None if ch.closing else self.send_method(number, commands.Tx.CommitOk()))
+                lambda: None if ch.closing else self.send_method(number, commands.Tx.CommitOk())
+            )
         else:
             self.send_method(number, commands.Tx.CommitOk())
 

@@ -42,30 +42,35 @@ BASIC_GET_OK = 71
 
 def method_bytes(channel: int, method: Any) -> bytes:
     """Encode a pamqp method as one frame."""
-    return frame.marshal(method, channel)  # type: ignore[no-any-return]
+    return frame.marshal(method, channel)
 
 
 def decode_method(class_id: int, method_id: int, payload: bytes) -> Any:
     """Decode a method's arguments (the bytes after class and method ids) with pamqp."""
     cls = commands.INDEX_MAPPING.get((class_id << 16) | method_id)
     if cls is None:
-        raise errors.NotImplemented_(f"unknown method class {class_id} method {method_id}",
-                                     class_id, method_id)
+        raise errors.NotImplemented_(
+            f"unknown method class {class_id} method {method_id}", class_id, method_id
+        )
     method = cls()
     try:
         method.unmarshal(payload)
     except Exception as exc:
         raise errors.SyntaxError_(
-            f"malformed {cls.name} arguments: {exc}", class_id, method_id
+            f"malformed {method.name} arguments: {exc}", class_id, method_id
         ) from exc
     return method
 
 
-def content_frames(channel: int, props: bytes, body: bytes | list[bytes], body_size: int,
-                   frame_max: int) -> list[bytes]:
+def content_frames(
+    channel: int, props: bytes, body: bytes | list[bytes], body_size: int, frame_max: int
+) -> list[bytes]:
     """The header and body frames for a message (used outside the single-chunk fast path)."""
-    out = [CONTENT_HDR.pack(FRAME_HEADER, channel, 12 + len(props), BASIC, 0, body_size),
-           props, FRAME_END_BYTE]
+    out = [
+        CONTENT_HDR.pack(FRAME_HEADER, channel, 12 + len(props), BASIC, 0, body_size),
+        props,
+        FRAME_END_BYTE,
+    ]
     limit = frame_max - 8
     chunks = [body] if isinstance(body, bytes) else body
     for chunk in chunks:
@@ -76,16 +81,21 @@ def content_frames(channel: int, props: bytes, body: bytes | list[bytes], body_s
         view = memoryview(chunk)
         for start in range(0, len(chunk), limit):
             piece = view[start : start + limit]
-            out += (FRAME_HDR.pack(FRAME_BODY, channel, len(piece)), bytes(piece),
-                    FRAME_END_BYTE)
+            out += (FRAME_HDR.pack(FRAME_BODY, channel, len(piece)), bytes(piece), FRAME_END_BYTE)
     return out
 
 
 def basic_ack_frame(channel: int, tag: int, multiple: bool) -> bytes:
-    return (METHOD_HDR.pack(FRAME_METHOD, channel, 13, BASIC, BASIC_ACK)
-            + U64_U8.pack(tag, 1 if multiple else 0) + FRAME_END_BYTE)
+    return (
+        METHOD_HDR.pack(FRAME_METHOD, channel, 13, BASIC, BASIC_ACK)
+        + U64_U8.pack(tag, 1 if multiple else 0)
+        + FRAME_END_BYTE
+    )
 
 
 def basic_nack_frame(channel: int, tag: int, multiple: bool) -> bytes:
-    return (METHOD_HDR.pack(FRAME_METHOD, channel, 13, BASIC, 120)
-            + U64_U8.pack(tag, 1 if multiple else 0) + FRAME_END_BYTE)
+    return (
+        METHOD_HDR.pack(FRAME_METHOD, channel, 13, BASIC, 120)
+        + U64_U8.pack(tag, 1 if multiple else 0)
+        + FRAME_END_BYTE
+    )

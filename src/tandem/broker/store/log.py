@@ -108,8 +108,9 @@ class Recovered:
     corrupt: list[Corruption] = field(default_factory=list)
 
 
-def scan_segment(path: Path, last: bool) -> tuple[list[tuple[int, int, int, bytes]], int,
-                                                  list[Corruption], int | None]:
+def scan_segment(
+    path: Path, last: bool
+) -> tuple[list[tuple[int, int, int, bytes]], int, list[Corruption], int | None]:
     """Read a segment's records: (type, epoch, offset, payload) in order.
 
     Returns the records, the byte length of the valid data, the corrupt spots skipped, and,
@@ -160,8 +161,11 @@ def _next_valid(data: bytes, start: int) -> int | None:
         if n - pos >= REC_HDR.size:
             _m, length, crc = REC_HDR.unpack_from(data, pos)
             end = pos + REC_HDR.size + length
-            if REC_META.size <= length <= MAX_RECORD and end <= n and \
-                    zlib.crc32(data[pos + REC_HDR.size : end]) == crc:
+            if (
+                REC_META.size <= length <= MAX_RECORD
+                and end <= n
+                and zlib.crc32(data[pos + REC_HDR.size : end]) == crc
+            ):
                 return pos
         pos = data.find(MAGIC, pos + 1)
     return None
@@ -179,8 +183,14 @@ class _Batch:
 class Store:
     """Implements the model's Journal port on disk."""
 
-    def __init__(self, data_dir: Path, *, fsync: bool = True, segment_bytes: int = 64 << 20,
-                 max_segments: int = 16) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        fsync: bool = True,
+        segment_bytes: int = 64 << 20,
+        max_segments: int = 16,
+    ) -> None:
         self.dir = Path(data_dir) / "log"
         self.fsync = fsync
         self.segment_bytes = segment_bytes
@@ -210,8 +220,9 @@ class Store:
     def define(self, vhost: str, op: str, body: dict[str, Any], durable: bool) -> None:
         self.offset += 1
         if durable and not self.recovering:
-            payload = json.dumps({"vhost": vhost, "op": op, "body": body},
-                                 separators=(",", ":")).encode()
+            payload = json.dumps(
+                {"vhost": vhost, "op": op, "body": body}, separators=(",", ":")
+            ).encode()
             self._append(encode_record(DEFINE, self.epoch, self.offset, payload))
 
     def enqueue(self, queue: Queue, msg: Message) -> None:
@@ -223,10 +234,16 @@ class Store:
         self._write_enqueue(queue.vhost.name, queue.name, msg)
 
     def _write_enqueue(self, vhost: str, queue: str, msg: Message) -> None:
-        payload = b"".join((
-            _str(vhost), _str(queue), U64.pack(msg.mid), _bytes(msg.route), _bytes(msg.props),
-            _bytes(msg.body_bytes()),
-        ))
+        payload = b"".join(
+            (
+                _str(vhost),
+                _str(queue),
+                U64.pack(msg.mid),
+                _bytes(msg.route),
+                _bytes(msg.props),
+                _bytes(msg.body_bytes()),
+            )
+        )
         self._append(encode_record(ENQUEUE, self.epoch, self.offset, payload))
         self.where[(vhost, queue, msg.mid)] = self.active
         self.segments[self.active] += 1
@@ -319,11 +336,17 @@ class Store:
         out: dict[str, Any] = {"vhosts": {}}
         for vh in self.broker.vhosts.values():
             out["vhosts"][vh.name] = {
-                "exchanges": [vh.exchange_body(e) for e in vh.exchanges.values()
-                              if e.durable and e.name and not e.name.startswith("amq.")],
+                "exchanges": [
+                    vh.exchange_body(e)
+                    for e in vh.exchanges.values()
+                    if e.durable and e.name and not e.name.startswith("amq.")
+                ],
                 "queues": [vh.queue_body(q) for q in vh.queues.values() if q.durable],
-                "bindings": [vh.binding_body(b) for b in vh.bindings()
-                             if b.source.durable and b.destination.durable],
+                "bindings": [
+                    vh.binding_body(b)
+                    for b in vh.bindings()
+                    if b.source.durable and b.destination.durable
+                ],
             }
         return out
 
@@ -359,8 +382,9 @@ class Store:
             for seg, parts in groups.items():
                 self.sizes[seg] = self.sizes.get(seg, 0) + sum(len(p) for p in parts)
             for seg in batch.deletes:
-                fd = self.fds.pop(seg, None)
-                if fd is not None:
+                fd_or_none = self.fds.pop(seg, None)
+                if fd_or_none is not None:
+                    fd = fd_or_none
                     os.close(fd)
                 path = self._path(seg)
                 if path.exists():
@@ -372,8 +396,13 @@ class Store:
         if exc is not None:
             if not isinstance(exc, OSError):
                 log.error("unexpected error, please report it as a bug: store writer: %r", exc)
-            log.error("cannot write the log in %s: %s; holding %d records and their confirms "
-                      "until it can", self.dir, exc, len(batch.chunks))
+            log.error(
+                "cannot write the log in %s: %s; holding %d records and their confirms "
+                "until it can",
+                self.dir,
+                exc,
+                len(batch.chunks),
+            )
             self.write_error = exc if isinstance(exc, OSError) else OSError(str(exc))
             self.on_write_error(self.write_error)
             # Keep the batch: it goes first when the writer tries again.
@@ -447,13 +476,17 @@ class Store:
         try:
             for i, path in enumerate(paths):
                 seg = int(path.stem)
-                records, good_end, corrupt, torn = scan_segment(path, i == len(paths) - 1)
+                records, _good_end, corrupt, torn = scan_segment(path, i == len(paths) - 1)
                 for c in corrupt:
                     log.error("corrupt record in the log, skipped: %s", c)
                 result.corrupt.extend(corrupt)
                 if torn is not None and torn < path.stat().st_size:
-                    log.warning("cutting a torn tail off %s at byte %d (%d bytes)", path, torn,
-                                path.stat().st_size - torn)
+                    log.warning(
+                        "cutting a torn tail off %s at byte %d (%d bytes)",
+                        path,
+                        torn,
+                        path.stat().st_size - torn,
+                    )
                     with open(path, "r+b") as f:
                         f.truncate(torn)
                     result.truncated.append(f"{path}@{torn}")
@@ -476,8 +509,14 @@ class Store:
             self.segments[self.active] = 0
         return result
 
-    def _replay(self, broker: Broker, seg: int, rtype: int, payload: bytes,
-                live: dict[tuple[str, str, int], tuple[int, bytes, bytes, bytes]]) -> None:
+    def _replay(
+        self,
+        broker: Broker,
+        seg: int,
+        rtype: int,
+        payload: bytes,
+        live: dict[tuple[str, str, int], tuple[int, bytes, bytes, bytes]],
+    ) -> None:
         if rtype == DEFINE:
             rec = json.loads(payload)
             self._apply_define(broker, rec["vhost"], rec["op"], rec["body"], live)
@@ -494,22 +533,37 @@ class Store:
         else:
             log.error("unknown record type %d in the log, skipped", rtype)
 
-    def _apply_define(self, broker: Broker, vhost_name: str, op: str, body: dict[str, Any],
-                      live: dict[tuple[str, str, int], Any]) -> None:
+    def _apply_define(
+        self,
+        broker: Broker,
+        vhost_name: str,
+        op: str,
+        body: dict[str, Any],
+        live: dict[tuple[str, str, int], Any],
+    ) -> None:
         vh = broker.add_vhost(vhost_name)
         if op == "exchange.declare":
             if body["name"] not in vh.exchanges:
-                vh.declare_exchange(body["name"], body["type"], durable=True,
-                                    auto_delete=body["auto_delete"], internal=body["internal"],
-                                    arguments=body["arguments"])
+                vh.declare_exchange(
+                    body["name"],
+                    body["type"],
+                    durable=True,
+                    auto_delete=body["auto_delete"],
+                    internal=body["internal"],
+                    arguments=body["arguments"],
+                )
         elif op == "exchange.delete":
             ex = vh.exchanges.get(body["name"])
             if ex is not None:
                 vh._remove_exchange(ex)
         elif op == "queue.declare":
             if body["name"] not in vh.queues:
-                vh.declare_queue(body["name"], durable=True, auto_delete=body["auto_delete"],
-                                 arguments=body["arguments"])
+                vh.declare_queue(
+                    body["name"],
+                    durable=True,
+                    auto_delete=body["auto_delete"],
+                    arguments=body["arguments"],
+                )
         elif op == "queue.delete":
             q = vh.queues.get(body["name"])
             if q is not None:
@@ -518,7 +572,8 @@ class Store:
                 del live[key]
         elif op in ("bind", "unbind"):
             dest = (vh.queues if body["destination_type"] == "queue" else vh.exchanges).get(
-                body["destination"])
+                body["destination"]
+            )
             if dest is None or body["source"] not in vh.exchanges:
                 return
             if op == "bind":
@@ -526,8 +581,9 @@ class Store:
             else:
                 vh.unbind(body["source"], dest, body["routing_key"], body["arguments"])
 
-    def _apply_snapshot(self, broker: Broker, snap: dict[str, Any],
-                        live: dict[tuple[str, str, int], Any]) -> None:
+    def _apply_snapshot(
+        self, broker: Broker, snap: dict[str, Any], live: dict[tuple[str, str, int], Any]
+    ) -> None:
         """A snapshot is authoritative: what it does not list was deleted."""
         for vname, defs in snap.get("vhosts", {}).items():
             vh = broker.add_vhost(vname)
@@ -535,9 +591,11 @@ class Store:
             for q in [q for q in vh.queues.values() if q.durable and q.name not in names]:
                 self._apply_define(broker, vname, "queue.delete", {"name": q.name}, live)
             exnames = {e["name"] for e in defs["exchanges"]}
-            for ex in [e for e in vh.exchanges.values()
-                       if e.durable and e.name and not e.name.startswith("amq.")
-                       and e.name not in exnames]:
+            for ex in [
+                e
+                for e in vh.exchanges.values()
+                if e.durable and e.name and not e.name.startswith("amq.") and e.name not in exnames
+            ]:
                 vh._remove_exchange(ex)
             for e in defs["exchanges"]:
                 self._apply_define(broker, vname, "exchange.declare", e, live)
@@ -546,13 +604,14 @@ class Store:
             for b in defs["bindings"]:
                 self._apply_define(broker, vname, "bind", b, live)
 
-    def _restore_messages(self, broker: Broker,
-                          live: dict[tuple[str, str, int], tuple[int, bytes, bytes, bytes]]
-                          ) -> None:
+    def _restore_messages(
+        self, broker: Broker, live: dict[tuple[str, str, int], tuple[int, bytes, bytes, bytes]]
+    ) -> None:
         from tandem.broker.model import message as message_mod
 
         for (vhost, queue, mid), (seg, route, props, body) in sorted(
-                live.items(), key=lambda kv: kv[0][2]):
+            live.items(), key=lambda kv: kv[0][2]
+        ):
             vh = broker.vhosts.get(vhost)
             q = vh.queues.get(queue) if vh is not None else None
             if q is None:
@@ -564,8 +623,11 @@ class Store:
             try:
                 message_mod.scan(msg)
             except ValueError:
-                log.error("recovered message %d on queue '%s' has invalid properties; kept "
-                          "as it is", mid, queue)
+                log.error(
+                    "recovered message %d on queue '%s' has invalid properties; kept as it is",
+                    mid,
+                    queue,
+                )
             msg.mid = mid
             msg.ts = q.vhost.clock()
             q.enqueue(msg)
@@ -579,7 +641,9 @@ class Store:
             self.fds.clear()
 
     def stats(self) -> dict[str, Any]:
-        return {"segments": len(self.segments), "live_messages": len(self.where),
-                "position": self.offset, "epoch": self.epoch}
-
-
+        return {
+            "segments": len(self.segments),
+            "live_messages": len(self.where),
+            "position": self.offset,
+            "epoch": self.epoch,
+        }
