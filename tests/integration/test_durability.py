@@ -204,10 +204,13 @@ def test_full_disk_holds_confirms_and_loses_nothing(tiny_disk: Path, tmp_path: P
         assert "cannot write the log" in broker.log()
         filler.unlink()  # room again: the held records are written and confirmed
         c.sock.settimeout(15)
-        while acked < n:
+        unblocked = False
+        while acked < n or not unblocked:
             _ch, f = c.recv_frame()
             if isinstance(f, commands.Basic.Ack):
                 acked = f.delivery_tag if f.multiple else acked + 1
+            elif isinstance(f, commands.Connection.Unblocked):
+                unblocked = True
         c.close()
         broker.kill()
         broker.start()

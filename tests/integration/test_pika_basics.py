@@ -589,3 +589,54 @@ def test_large_message_streams_through_in_frames(conn: pika.BlockingConnection) 
     ch.basic_publish("", "big", body)
     _m, _p, got = ch.basic_get("big", auto_ack=True)
     assert got == body
+
+
+def test_queue_unbind(conn: pika.BlockingConnection) -> None:
+    ch = conn.channel()
+    q = ch.queue_declare("", exclusive=True).method.queue
+    ch.queue_bind(q, "amq.direct", "k")
+    ch.queue_unbind(q, "amq.direct", "k")
+    ch.basic_publish("amq.direct", "k", b"x")
+    assert ch.basic_get(q, auto_ack=True)[0] is None
+
+
+def test_auto_delete_exchange_goes_with_its_last_binding(conn: pika.BlockingConnection) -> None:
+    ch = conn.channel()
+    ch.exchange_declare("ad-ex", "fanout", auto_delete=True)
+    q = ch.queue_declare("", exclusive=True).method.queue
+    ch.queue_bind(q, "ad-ex")
+    ch.queue_unbind(q, "ad-ex")
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+        ch.exchange_declare("ad-ex", passive=True)
+    assert err.value.reply_code == 404
+
+
+def test_declare_ok_counts_messages_and_consumers(conn: pika.BlockingConnection) -> None:
+    ch = conn.channel()
+    ch.queue_declare("counts")
+    for _ in range(3):
+        ch.basic_publish("", "counts", b"x")
+    other = conn.channel()
+    other.basic_qos(prefetch_count=1)
+    other.basic_consume("counts", lambda *a: None)
+    conn.process_data_events(time_limit=0.1)
+    ok = ch.queue_declare("counts", passive=True).method
+    assert (ok.message_count, ok.consumer_count) == (2, 1)
+
+
+def test_recover_async_requeues(broker: Broker) -> None:
+    from pamqp import commands
+
+    from tests.support import RawClient
+
+    c = RawClient(broker.amqp_port)
+    c.handshake()
+    c.open_channel()
+    c.send_method(1, commands.Queue.Declare(queue="ra"))
+    c.expect(commands.Queue.DeclareOk)
+    c.publish(1, "", "ra", b"x")
+    c.send_method(1, commands.Basic.Get(queue="ra"))
+    assert not c.expect(commands.Basic.GetOk).redelivered
+    c.send_method(1, commands.Basic.RecoverAsync(requeue=True))
+    c.send_method(1, commands.Basic.Get(queue="ra"))
+    assert c.expect(commands.Basic.GetOk).redelivered
