@@ -640,3 +640,34 @@ def test_recover_async_requeues(broker: Broker) -> None:
     c.send_method(1, commands.Basic.RecoverAsync(requeue=True))
     c.send_method(1, commands.Basic.Get(queue="ra"))
     assert c.expect(commands.Basic.GetOk).redelivered
+
+
+def test_user_id_must_be_the_authenticated_user(conn: pika.BlockingConnection) -> None:
+    ch = conn.channel()
+    ch.queue_declare("uid")
+    ch.basic_publish("", "uid", b"ok", pika.BasicProperties(user_id="guest"))
+    assert ch.basic_get("uid", auto_ack=True)[1].user_id == "guest"
+    ch.basic_publish("", "uid", b"forged", pika.BasicProperties(user_id="admin"))
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as err:
+        ch.queue_declare("uid", passive=True)
+    assert err.value.reply_code == 406
+
+
+def test_unknown_exchange_type_is_503(conn: pika.BlockingConnection) -> None:
+    ch = conn.channel()
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as err:
+        ch.exchange_declare("plugin", "x-delayed-message")
+    assert err.value.reply_code == 503
+
+
+def test_immediate_publish_is_540(broker: Broker) -> None:
+    from pamqp import commands
+
+    from tests.support import RawClient
+
+    c = RawClient(broker.amqp_port)
+    c.handshake()
+    c.open_channel()
+    c.send_method(1, commands.Basic.Publish(exchange="", routing_key="x", immediate=True))
+    close = c.expect(commands.Connection.Close)
+    assert close.reply_code == 540

@@ -25,6 +25,7 @@ F_PRIORITY = 1 << 11
 F_CORRELATION_ID = 1 << 10
 F_REPLY_TO = 1 << 9
 F_EXPIRATION = 1 << 8
+F_USER_ID = 1 << 4
 
 
 class Message:
@@ -161,6 +162,10 @@ def decode_properties(props: bytes) -> commands.Basic.Properties:
 
 def encode_properties(p: commands.Basic.Properties) -> bytes:
     return p.marshal()
+
+
+def has_user_id(props: bytes) -> bool:
+    return len(props) >= 2 and bool(_U16.unpack_from(props, 0)[0] & F_USER_ID)
 
 
 def headers_of(msg: Message) -> dict[str, Any]:

@@ -1107,6 +1107,8 @@ class Connection:
             cache[route] = names
         exchange, rk, route = names  # the cached route object: one copy for every message
         bits = buf[bits_pos]
+        if bits & 2:
+            raise errors.NotImplemented_("immediate=true", 60, 40)
         ex = ch.vhost.exchanges.get(exchange)
         if ex is None:
             raise errors.NotFound(f"no exchange '{exchange}' in vhost '{self.vhost_name}'")
@@ -1193,6 +1195,13 @@ class Connection:
                 ch.number, errors.PreconditionFailed(f"invalid content properties: {exc}", 60, 40)
             )
             return
+        if message_mod.has_user_id(msg.props):
+            user_id = message_mod.decode_properties(msg.props).user_id
+            if user_id != self.user:
+                self._error(ch.number, errors.PreconditionFailed(
+                    f"user_id property set to '{user_id}' but authenticated user was "
+                    f"'{self.user}'", 60, 40))
+                return
         msg.ts = ch.vhost.clock()
         if ch.confirm:
             ch.publish_seq += 1
