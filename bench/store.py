@@ -51,8 +51,10 @@ def sqlite_store(path: Path, records: int, batch: int) -> tuple[float, float]:
     start = time.perf_counter()
     for first in range(0, records, batch):
         db.execute("BEGIN")
-        db.executemany("INSERT INTO log VALUES (?, ?)",
-                       [(i, payload) for i in range(first, min(first + batch, records))])
+        db.executemany(
+            "INSERT INTO log VALUES (?, ?)",
+            [(i, payload) for i in range(first, min(first + batch, records))],
+        )
         db.execute("COMMIT")
     write = time.perf_counter() - start
     start = time.perf_counter()
@@ -82,8 +84,11 @@ def main() -> None:
         s = sqlite_store(base / "batch.db", args.records, args.batch)
         one = sqlite_store(base / "one.db", min(args.records, 5000), 1)
     print(f"{'store':36}{'write rec/s':>14}{'read rec/s':>14}{'write ratio':>13}")
-    rows = [("tandem log, group commit", t), (f"sqlite WAL, {args.batch} per commit", s),
-            ("sqlite WAL, 1 per commit", one)]
+    rows = [
+        ("tandem log, group commit", t),
+        (f"sqlite WAL, {args.batch} per commit", s),
+        ("sqlite WAL, 1 per commit", one),
+    ]
     for name, (w, r) in rows:
         print(f"{name:36}{w:14.0f}{r:14.0f}{w / t[0]:13.2f}")
 

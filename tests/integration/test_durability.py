@@ -88,6 +88,24 @@ def test_confirmed_messages_survive_kill_9(broker: Broker) -> None:
     assert set(range(100, 500)) <= set(got)
 
 
+def test_declarations_answered_before_kill_9_survive(broker: Broker) -> None:
+    """A declare-ok or bind-ok for durable things is sent once their record is on disk."""
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    ch = conn.channel()
+    for i in range(20):
+        ch.exchange_declare(f"kx{i}", "direct", durable=True)
+        ch.queue_declare(f"kq{i}", durable=True)
+        ch.queue_bind(f"kq{i}", f"kx{i}", "k")
+    broker.kill()  # right after the last bind-ok
+    broker.start()
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for i in range(20):
+        ch.basic_publish(f"kx{i}", "k", b"x", mandatory=True)  # unroutable would raise
+    assert all(broker.queue(f"kq{i}")["depth"] == 1 for i in range(20))
+
+
 def test_acked_messages_stay_gone_after_clean_restart(broker: Broker) -> None:
     publish_confirmed(broker, "gone", 20)
     assert len(consume_all(broker, "gone")) == 20

@@ -41,9 +41,14 @@ def test_first_command_runs_a_broker_clients_can_use(tmp_path: Path) -> None:
             pytest.skip("port 5672 is taken on this machine (a RabbitMQ for the benchmarks?)")
     data = ROOT / "data"
     existed = data.exists()
-    proc = subprocess.Popen(["bash", "-c", quick_start()[0]], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "-c", quick_start()[0]],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for_amqp(5672, timeout=120)
         conn = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1:5672/"))

@@ -171,6 +171,9 @@ class Channel:
         self.write_ok: set[str] = set()  # exchanges this channel may publish to (cache)
         self.last_queue = ""  # the queue last declared on this channel, for empty names
         self.reply_token: str | None = None  # direct reply-to consumer on this channel
+        # Replies held behind a durable declaration's reply until its record is on disk:
+        # [ready, frame bytes] in the order they must go out.
+        self.held: collections.deque[list[Any]] = collections.deque()
 
     # -- delivery (hot path) --
 
@@ -208,10 +211,19 @@ class Channel:
                 FRAME_END_BYTE,
             ]
             parts += frames.content_frames(ch, props, body, msg.body_size, conn.frame_max)
+        if self.held:
+            self.held.append([True, b"".join(parts)])
+            return
         out = conn.out
         if not out:
             conn.transport.wake()
         out.append(b"".join(parts))
+
+    def release_held(self) -> None:
+        """Write the held replies that are ready, in order."""
+        held = self.held
+        while held and held[0][0]:
+            self.conn.write(held.popleft()[1])
 
     def broker_cancel(self, consumer: Consumer) -> None:
         """The queue was deleted: tell the client, as RabbitMQ's consumer_cancel_notify."""
@@ -262,6 +274,7 @@ class Channel:
     def release(self) -> None:
         """Channel closed: cancel consumers, requeue what was unacked (in order)."""
         self.closing = True
+        self.held.clear()
         for c in list(self.consumers.values()):
             if c.queue is not None:
                 c.queue.remove_consumer(c)
@@ -343,6 +356,25 @@ class Connection:
 
     def send_method(self, channel: int, method: Any) -> None:
         self.write(frames.method_bytes(channel, method))
+
+    def _reply(self, ch: Channel, method: Any) -> None:
+        """A channel's synchronous reply. Replies to exchange and queue methods wait until
+        what those methods journaled is on disk, so a declare-ok means the declaration
+        survives a crash; later replies and deliveries on the channel queue behind them."""
+        data = frames.method_bytes(ch.number, method)
+        journal = self.broker.journal
+        if method.index >> 16 in (40, 50) and journal.dirty():
+            entry: list[Any] = [False, data]
+            ch.held.append(entry)
+            journal.when_synced(_Ready(ch, entry))
+        else:
+            self._reply_bytes(ch, data)
+
+    def _reply_bytes(self, ch: Channel, data: bytes) -> None:
+        if ch.held:
+            ch.held.append([True, data])
+        else:
+            self.write(data)
 
     def take_output(self) -> bytes:
         data = b"".join(self.out)
@@ -806,7 +838,7 @@ class Connection:
 
     def _channel_flow(self, ch: Channel, m: commands.Channel.Flow) -> None:
         ch.flow_active = bool(m.active)
-        self.send_method(ch.number, commands.Channel.FlowOk(ch.flow_active))
+        self._reply(ch, commands.Channel.FlowOk(ch.flow_active))
         if ch.flow_active:
             for c in ch.consumers.values():
                 if c.queue is not None:
@@ -852,13 +884,13 @@ class Connection:
             arguments=m.arguments,
         )
         if not m.nowait:
-            self.send_method(ch.number, commands.Exchange.DeclareOk())
+            self._reply(ch, commands.Exchange.DeclareOk())
 
     def _exchange_delete(self, ch: Channel, m: commands.Exchange.Delete) -> None:
         self._check("configure", m.exchange, "exchange")
         ch.vhost.delete_exchange(m.exchange, m.if_unused)
         if not m.nowait:
-            self.send_method(ch.number, commands.Exchange.DeleteOk())
+            self._reply(ch, commands.Exchange.DeleteOk())
 
     def _exchange_bind(self, ch: Channel, m: Any, unbind: bool = False) -> None:
         self._check("write", m.destination, "exchange")
@@ -916,11 +948,11 @@ class Connection:
         q = self._queue(ch, qname)
         if unbind:
             ch.vhost.unbind(m.exchange, q, m.routing_key, m.arguments)
-            self.send_method(ch.number, commands.Queue.UnbindOk())
+            self._reply(ch, commands.Queue.UnbindOk())
             return
         ch.vhost.bind(m.exchange, q, m.routing_key, m.arguments)
         if not m.nowait:
-            self.send_method(ch.number, commands.Queue.BindOk())
+            self._reply(ch, commands.Queue.BindOk())
 
     def _queue_unbind(self, ch: Channel, m: Any) -> None:
         self._queue_bind(ch, m, unbind=True)
@@ -930,7 +962,7 @@ class Connection:
         self._check("read", qname)
         count = self._queue(ch, qname).purge()
         if not m.nowait:
-            self.send_method(ch.number, commands.Queue.PurgeOk(count))
+            self._reply(ch, commands.Queue.PurgeOk(count))
 
     def _queue_delete(self, ch: Channel, m: commands.Queue.Delete) -> None:
         qname = self._queue_name(ch, m.queue)
@@ -943,7 +975,7 @@ class Connection:
             if q in self.exclusive_queues:
                 self.exclusive_queues.remove(q)
         if not m.nowait:
-            self.send_method(ch.number, commands.Queue.DeleteOk(count))
+            self._reply(ch, commands.Queue.DeleteOk(count))
 
     # -- basic class --
 
@@ -954,7 +986,7 @@ class Connection:
             ch.global_prefetch = m.prefetch_count
         else:
             ch.prefetch = m.prefetch_count
-        self.send_method(ch.number, commands.Basic.QosOk())
+        self._reply(ch, commands.Basic.QosOk())
         for c in ch.consumers.values():
             if c.queue is not None:
                 self.dirty_queues[id(c.queue)] = c.queue
@@ -976,7 +1008,7 @@ class Connection:
             ch.consumers[tag] = c
             ch.reply_token = token
             if not m.nowait:
-                self.send_method(ch.number, commands.Basic.ConsumeOk(tag))
+                self._reply(ch, commands.Basic.ConsumeOk(tag))
             return
         self._check("read", qname)
         q = self._queue(ch, qname)
@@ -984,7 +1016,7 @@ class Connection:
         q.add_consumer(c)
         ch.consumers[tag] = c
         if not m.nowait:
-            self.send_method(ch.number, commands.Basic.ConsumeOk(tag))
+            self._reply(ch, commands.Basic.ConsumeOk(tag))
         self.dirty_queues[id(q)] = q
 
     def _basic_cancel(self, ch: Channel, m: commands.Basic.Cancel) -> None:
@@ -995,7 +1027,7 @@ class Connection:
             else:
                 self.hub.reply_to.pop(ch.reply_token or "", None)
         if not m.nowait:
-            self.send_method(ch.number, commands.Basic.CancelOk(m.consumer_tag))
+            self._reply(ch, commands.Basic.CancelOk(m.consumer_tag))
 
     def _basic_get(self, ch: Channel, m: commands.Basic.Get) -> None:
         qname = self._queue_name(ch, m.queue)
@@ -1003,7 +1035,7 @@ class Connection:
         q = self._queue(ch, qname)
         msg = q.get()
         if msg is None:
-            self.send_method(ch.number, commands.Basic.GetEmpty())
+            self._reply(ch, commands.Basic.GetEmpty())
             return
         ch.delivery_tag = tag = ch.delivery_tag + 1
         if m.no_ack:
@@ -1021,7 +1053,7 @@ class Connection:
         parts += frames.content_frames(
             ch.number, msg.props, msg.body, msg.body_size, self.frame_max
         )
-        self.write(b"".join(parts))
+        self._reply_bytes(ch, b"".join(parts))
 
     def _ack(self, ch: Channel, tag: int, multiple: bool) -> None:
         if ch.tx:
@@ -1082,7 +1114,7 @@ class Connection:
             raise errors.NotImplemented_("requeue=false", 60, 110)
         self._settle(ch, 0, True, "reject", True)
         if m.name == "Basic.Recover":
-            self.send_method(ch.number, commands.Basic.RecoverOk())
+            self._reply(ch, commands.Basic.RecoverOk())
 
     # -- publishing (hot path) --
 
@@ -1198,9 +1230,15 @@ class Connection:
         if message_mod.has_user_id(msg.props):
             user_id = message_mod.decode_properties(msg.props).user_id
             if user_id != self.user:
-                self._error(ch.number, errors.PreconditionFailed(
-                    f"user_id property set to '{user_id}' but authenticated user was "
-                    f"'{self.user}'", 60, 40))
+                self._error(
+                    ch.number,
+                    errors.PreconditionFailed(
+                        f"user_id property set to '{user_id}' but authenticated user was "
+                        f"'{self.user}'",
+                        60,
+                        40,
+                    ),
+                )
                 return
         msg.ts = ch.vhost.clock()
         if ch.confirm:
@@ -1284,13 +1322,13 @@ class Connection:
             raise errors.PreconditionFailed("cannot switch from tx to confirm mode", 85, 10)
         ch.confirm = True
         if not m.nowait:
-            self.send_method(ch.number, commands.Confirm.SelectOk())
+            self._reply(ch, commands.Confirm.SelectOk())
 
     def _tx_select(self, ch: Channel, m: Any) -> None:
         if ch.confirm:
             raise errors.PreconditionFailed("cannot switch from confirm to tx mode", 90, 10)
         ch.tx = True
-        self.send_method(ch.number, commands.Tx.SelectOk())
+        self._reply(ch, commands.Tx.SelectOk())
 
     def _tx_commit(self, ch: Channel, m: Any) -> None:
         if not ch.tx:
@@ -1302,20 +1340,35 @@ class Connection:
             stored = self._route(ch, ex, msg, mandatory) or stored
         for how, tag, multiple, requeue in settles:
             self._settle(ch, tag, multiple, how, requeue)
-        number = ch.number
+        commit_ok = frames.method_bytes(ch.number, commands.Tx.CommitOk())
         if stored:
-            self.broker.journal.when_synced(
-                lambda: None if ch.closing else self.send_method(number, commands.Tx.CommitOk())
-            )
+            entry: list[Any] = [False, commit_ok]
+            ch.held.append(entry)
+            self.broker.journal.when_synced(_Ready(ch, entry))
         else:
-            self.send_method(number, commands.Tx.CommitOk())
+            self._reply_bytes(ch, commit_ok)
 
     def _tx_rollback(self, ch: Channel, m: Any) -> None:
         if not ch.tx:
             raise errors.PreconditionFailed("channel is not transactional", 90, 30)
         ch.tx_publishes = []
         ch.tx_settles = []
-        self.send_method(ch.number, commands.Tx.RollbackOk())
+        self._reply(ch, commands.Tx.RollbackOk())
+
+
+class _Ready:
+    """Marks a held reply ready once the journal has synced, and writes what is ready."""
+
+    __slots__ = ("ch", "entry")
+
+    def __init__(self, ch: Channel, entry: list[Any]) -> None:
+        self.ch = ch
+        self.entry = entry
+
+    def __call__(self) -> None:
+        self.entry[0] = True
+        if not self.ch.closing:
+            self.ch.release_held()
 
 
 class _Synced:
