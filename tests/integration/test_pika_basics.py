@@ -624,6 +624,7 @@ def test_declare_ok_counts_messages_and_consumers(conn: pika.BlockingConnection)
     assert (ok.message_count, ok.consumer_count) == (2, 1)
 
 
+@pytest.mark.filterwarnings("ignore:This command is deprecated:DeprecationWarning")
 def test_recover_async_requeues(broker: Broker) -> None:
     from pamqp import commands
 

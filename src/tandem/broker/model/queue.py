@@ -222,12 +222,7 @@ class Queue:
                 c = consumers[self.rr % n]
                 self.rr += 1
                 if c.ready():
-                    self.delivered += 1
-                    if not c.no_ack:
-                        self.unacked += 1
-                    c.deliver(self, msg)
-                    if c.no_ack:
-                        self._forget(msg)
+                    self._hand(c, msg)
                     return True
         messages.append(msg)
         self.bytes += msg.body_size
@@ -290,15 +285,19 @@ class Queue:
             idle = 0
             msg = messages.popleft()
             self.bytes -= msg.body_size
-            self.delivered += 1
-            if not c.no_ack:
-                self.unacked += 1
-            c.deliver(self, msg)
-            if c.no_ack:
-                self._forget(msg)
+            self._hand(c, msg)
             n = len(consumers)
             if not n:
                 break
+
+    def _hand(self, c: Consumer, msg: Message) -> None:
+        """Deliver to a ready consumer; a no-ack delivery is settled at once."""
+        self.delivered += 1
+        if not c.no_ack:
+            self.unacked += 1
+        c.deliver(self, msg)
+        if c.no_ack:
+            self._forget(msg)
 
     def get(self) -> Message | None:
         """basic.get: the next ready message, counted as unacked by the caller's choice."""

@@ -106,9 +106,9 @@ class VirtualHost:
             raise errors.AccessRefused(f"cannot delete reserved exchange '{name}'")
         if if_unused and ex.bindings:
             raise errors.PreconditionFailed(f"exchange '{name}' in vhost '{self.name}' in use")
-        self._remove_exchange(ex)
+        self.remove_exchange(ex)
 
-    def _remove_exchange(self, ex: Exchange) -> None:
+    def remove_exchange(self, ex: Exchange) -> None:
         for b in list(ex.bindings.values()):
             ex.unbind(b)
         # bindings where this exchange is the destination
@@ -204,15 +204,24 @@ class VirtualHost:
         routing_key: str,
         arguments: dict[str, Any] | None = None,
     ) -> None:
+        b = self._binding(source, destination, routing_key, arguments)
+        ex = b.source
+        if ex.bind(b):
+            durable = ex.durable and destination.durable
+            self.journal.define(self.name, "bind", self.binding_body(b), durable)
+
+    def _binding(
+        self,
+        source: str,
+        destination: Queue | Exchange,
+        routing_key: str,
+        arguments: dict[str, Any] | None,
+    ) -> Binding:
         if source == "":
             raise errors.AccessRefused(
                 f"operation not permitted on the default exchange in vhost '{self.name}'"
             )
-        ex = self.exchange(source)
-        b = Binding(ex, destination, routing_key, dict(arguments or {}))
-        if ex.bind(b):
-            durable = ex.durable and destination.durable
-            self.journal.define(self.name, "bind", self.binding_body(b), durable)
+        return Binding(self.exchange(source), destination, routing_key, dict(arguments or {}))
 
     @staticmethod
     def binding_body(b: Binding) -> dict[str, Any]:
@@ -232,13 +241,8 @@ class VirtualHost:
         routing_key: str,
         arguments: dict[str, Any] | None = None,
     ) -> None:
-        if source == "":
-            raise errors.AccessRefused(
-                f"operation not permitted on the default exchange in vhost '{self.name}'"
-            )
-        ex = self.exchange(source)
-        b = Binding(ex, destination, routing_key, dict(arguments or {}))
-        existing = ex.bindings.get(b.key)
+        b = self._binding(source, destination, routing_key, arguments)
+        existing = b.source.bindings.get(b.key)
         if existing is not None:
             self._unbind(existing)
 
@@ -250,7 +254,7 @@ class VirtualHost:
             self.name, "unbind", self.binding_body(b), ex.durable and b.destination.durable
         )
         if ex.auto_delete and not ex.bindings and not ex.deleted:
-            self._remove_exchange(ex)
+            self.remove_exchange(ex)
 
     def bindings(self) -> list[Binding]:
         return [b for ex in self.exchanges.values() for b in ex.bindings.values()]

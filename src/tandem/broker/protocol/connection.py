@@ -9,6 +9,7 @@ encoded with structs, and a message's content header properties pass through as 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import secrets
 from collections.abc import Callable
@@ -219,8 +220,16 @@ class Channel:
             conn.transport.wake()
         out.append(b"".join(parts))
 
-    def release_held(self) -> None:
-        """Write the held replies that are ready, in order."""
+    def hold_until_synced(self, data: bytes) -> None:
+        """Queue a reply that may go out only once the journal has synced."""
+        entry: list[Any] = [False, data]
+        self.held.append(entry)
+        self.conn.broker.journal.when_synced(functools.partial(self._held_ready, entry))
+
+    def _held_ready(self, entry: list[Any]) -> None:
+        entry[0] = True
+        if self.closing:
+            return
         held = self.held
         while held and held[0][0]:
             self.conn.write(held.popleft()[1])
@@ -362,11 +371,8 @@ class Connection:
         what those methods journaled is on disk, so a declare-ok means the declaration
         survives a crash; later replies and deliveries on the channel queue behind them."""
         data = frames.method_bytes(ch.number, method)
-        journal = self.broker.journal
-        if method.index >> 16 in (40, 50) and journal.dirty():
-            entry: list[Any] = [False, data]
-            ch.held.append(entry)
-            journal.when_synced(_Ready(ch, entry))
+        if method.index >> 16 in (40, 50) and self.broker.journal.dirty():
+            ch.hold_until_synced(data)
         else:
             self._reply_bytes(ch, data)
 
@@ -468,7 +474,7 @@ class Connection:
             for ch in self.sync_channels:
                 seqs = ch.awaiting_sync
                 ch.awaiting_sync = []
-                journal.when_synced(_Synced(ch, seqs))
+                journal.when_synced(functools.partial(ch.synced, seqs))
             self.sync_channels.clear()
         if self.dirty_queues:
             queues = list(self.dirty_queues.values())
@@ -1342,9 +1348,7 @@ class Connection:
             self._settle(ch, tag, multiple, how, requeue)
         commit_ok = frames.method_bytes(ch.number, commands.Tx.CommitOk())
         if stored:
-            entry: list[Any] = [False, commit_ok]
-            ch.held.append(entry)
-            self.broker.journal.when_synced(_Ready(ch, entry))
+            ch.hold_until_synced(commit_ok)
         else:
             self._reply_bytes(ch, commit_ok)
 
@@ -1354,34 +1358,6 @@ class Connection:
         ch.tx_publishes = []
         ch.tx_settles = []
         self._reply(ch, commands.Tx.RollbackOk())
-
-
-class _Ready:
-    """Marks a held reply ready once the journal has synced, and writes what is ready."""
-
-    __slots__ = ("ch", "entry")
-
-    def __init__(self, ch: Channel, entry: list[Any]) -> None:
-        self.ch = ch
-        self.entry = entry
-
-    def __call__(self) -> None:
-        self.entry[0] = True
-        if not self.ch.closing:
-            self.ch.release_held()
-
-
-class _Synced:
-    """The callback that confirms a batch of publishes once the store has synced them."""
-
-    __slots__ = ("ch", "seqs")
-
-    def __init__(self, ch: Channel, seqs: list[int]) -> None:
-        self.ch = ch
-        self.seqs = seqs
-
-    def __call__(self) -> None:
-        self.ch.synced(self.seqs)
 
 
 Handler = Callable[[Connection, Channel, Any], None]

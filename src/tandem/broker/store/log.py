@@ -555,7 +555,7 @@ class Store:
         elif op == "exchange.delete":
             ex = vh.exchanges.get(body["name"])
             if ex is not None:
-                vh._remove_exchange(ex)
+                vh.remove_exchange(ex)
         elif op == "queue.declare":
             if body["name"] not in vh.queues:
                 vh.declare_queue(
@@ -596,7 +596,7 @@ class Store:
                 for e in vh.exchanges.values()
                 if e.durable and e.name and not e.name.startswith("amq.") and e.name not in exnames
             ]:
-                vh._remove_exchange(ex)
+                vh.remove_exchange(ex)
             for e in defs["exchanges"]:
                 self._apply_define(broker, vname, "exchange.declare", e, live)
             for q in defs["queues"]:
