@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import struct
@@ -268,7 +267,3 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def env_without_proxy() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}

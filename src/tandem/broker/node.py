@@ -222,6 +222,7 @@ class Node:
             "admin_port": self.admin_port,
             "connections": len(self.connections),
             "alarms": dict(self.alarms),
+            "store": self.store.stats() if self.store is not None else None,
             "queues": queues,
         }
 

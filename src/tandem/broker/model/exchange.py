@@ -12,8 +12,6 @@ if TYPE_CHECKING:
 
     Destination: TypeAlias = "Queue | Exchange"
 
-KINDS = ("direct", "fanout", "topic", "headers")
-
 
 def _args_key(args: dict[str, Any]) -> str:
     return repr(sorted(args.items()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from pamqp import commands, decode
+from pamqp import commands
 
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -172,7 +172,3 @@ def headers_of(msg: Message) -> dict[str, Any]:
     if len(msg.props) < 2 or not _U16.unpack_from(msg.props, 0)[0] & F_HEADERS:
         return {}
     return decode_properties(msg.props).headers or {}
-
-
-def decode_table(raw: bytes) -> dict[str, Any]:
-    return decode.field_table(raw)[1]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tandem import errors
@@ -164,11 +164,6 @@ class Queue:
     @property
     def depth(self) -> int:
         return len(self.messages) + self.unacked
-
-    @property
-    def stores(self) -> bool:
-        """Whether persistent messages on this queue go to disk."""
-        return self.durable
 
     def same_properties(
         self, durable: bool, exclusive: bool, auto_delete: bool, arguments: dict[str, Any]
@@ -418,7 +413,7 @@ class Queue:
             self.expires is not None and not self.consumers and now - self.last_used >= self.expires
         )
 
-    def on_deleted(self, notify: Callable[[Consumer], None] | None = None) -> None:
+    def on_deleted(self) -> None:
         self.deleted = True
         for c in list(self.consumers):
             c.cancelled_by_broker(self)

@@ -13,7 +13,7 @@ import functools
 import logging
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pamqp import commands, decode
@@ -303,11 +303,6 @@ class Channel:
 # -- connection ------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Handshake:
-    client_properties: dict[str, Any] = field(default_factory=dict)
-
-
 class Connection:
     """One client connection; the server feeds it bytes and writes `out`."""
 
@@ -319,7 +314,6 @@ class Connection:
         peer: str,
         loopback: bool,
         limits: Limits | None = None,
-        clock: Callable[[], float] | None = None,
     ) -> None:
         self.broker = broker
         self.hub = hub

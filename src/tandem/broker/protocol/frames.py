@@ -28,16 +28,13 @@ METHOD_HDR = struct.Struct(">BHIHH")
 CONTENT_HDR = struct.Struct(">BHIHHQ")
 HEADER_PAYLOAD = struct.Struct(">HHQ")
 U64_U8 = struct.Struct(">QB")
-U64_U8_U32 = struct.Struct(">QB")
 
 HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 
 # (class_id, method_id) of the hot-path methods
 BASIC = 60
 BASIC_PUBLISH = 40
-BASIC_DELIVER = 60
 BASIC_ACK = 80
-BASIC_GET_OK = 71
 
 
 def method_bytes(channel: int, method: Any) -> bytes:
