@@ -42,6 +42,13 @@ def _rss() -> int:
         return 0
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers see the old file or the new one, never a half-written one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class Node:
     """Implements the protocol layer's Hub port."""
 
@@ -139,9 +146,7 @@ class Node:
                 for (user, vhost), p in users.permissions.items()
             ],
         }
-        tmp = self._auth_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, self._auth_file)
+        _write_atomically(self._auth_file, json.dumps(data, indent=1))
 
     def delete_vhost(self, name: str) -> bool:
         for proto in list(self.connections):
@@ -341,5 +346,4 @@ class Node:
         print(line, flush=True)
         log.info("%s", line)
         if self.cfg.data_dir is not None:
-            path = Path(self.cfg.data_dir) / "ports.json"
-            path.write_text(json.dumps(ports))
+            _write_atomically(Path(self.cfg.data_dir) / "ports.json", json.dumps(ports))
