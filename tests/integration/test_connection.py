@@ -280,3 +280,24 @@ def test_client_close_handshake(broker: Broker) -> None:
     c.send_method(0, commands.Connection.Close(200, "bye", 0, 0))
     c.expect(commands.Connection.CloseOk)
     assert c.closed()
+
+
+def test_client_that_sends_but_never_reads_is_backpressured(broker: Broker) -> None:
+    """Pipelined requests whose replies are never read: the broker stops reading them once
+    its write buffer for that client is full, so its memory stays bounded."""
+    c = RawClient(broker.amqp_port)
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    c.handshake()
+    c.open_channel()
+    request = frame.marshal(commands.Queue.Declare(queue="q" * 250, auto_delete=False), 1)
+    batch = request * 1000
+    c.sock.settimeout(2)
+    sent = 0
+    limit = 256 * 1024 * 1024  # far more than the broker's write buffer and socket buffers
+    with pytest.raises(TimeoutError):
+        while sent < limit:
+            c.sock.sendall(batch)
+            sent += len(batch)
+    assert sent < 64 * 1024 * 1024, f"the broker kept reading: {sent} bytes accepted"
+    assert_other_connections_work(broker)
+    c.close()

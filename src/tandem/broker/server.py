@@ -45,6 +45,8 @@ class AMQPProtocol(asyncio.Protocol):
         self.closing = False
         self.loop = asyncio.get_running_loop()
         self.hb_handle: asyncio.TimerHandle | None = None
+        self.write_paused = False  # the peer is not reading: neither are we
+        self.read_paused = False  # paused at the connection's request (alarms)
         self.hs_handle: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
@@ -91,12 +93,18 @@ class AMQPProtocol(asyncio.Protocol):
             self.conn.lost()
 
     def pause_writing(self) -> None:
+        # The peer reads slower than we write: stop delivering to it, and stop reading its
+        # requests, so that replies to them cannot pile up either.
+        self.write_paused = True
         if self.conn is not None:
             self.conn.set_writable(False)
+        self._apply_reading()
 
     def resume_writing(self) -> None:
+        self.write_paused = False
         if self.conn is not None:
             self.conn.set_writable(True)
+        self._apply_reading()
 
     # connection.Transport port
 
@@ -119,12 +127,22 @@ class AMQPProtocol(asyncio.Protocol):
             self.transport.close()
 
     def pause_reading(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.pause_reading()
+        self.read_paused = True
+        self._apply_reading()
 
     def resume_reading(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self.read_paused = False
+        self._apply_reading()
+
+    def _apply_reading(self) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if self.read_paused or self.write_paused:
+            if t.is_reading():
+                t.pause_reading()
+        elif not t.is_reading():
+            t.resume_reading()
 
     # timers
 
