@@ -672,3 +672,13 @@ def test_immediate_publish_is_540(broker: Broker) -> None:
     c.send_method(1, commands.Basic.Publish(exchange="", routing_key="x", immediate=True))
     close = c.expect(commands.Connection.Close)
     assert close.reply_code == 540
+
+
+def test_queue_names_outside_the_spec_charset_work_as_in_rabbitmq(
+    conn: pika.BlockingConnection,
+) -> None:
+    ch = conn.channel()
+    name = "заказы/état ✓"
+    assert ch.queue_declare(name).method.queue == name
+    ch.basic_publish("", name, b"utf-8")
+    assert ch.basic_get(name, auto_ack=True)[2] == b"utf-8"

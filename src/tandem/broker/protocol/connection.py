@@ -364,8 +364,10 @@ class Connection:
         """A channel's synchronous reply. Replies to exchange and queue methods wait until
         what those methods journaled is on disk, so a declare-ok means the declaration
         survives a crash; later replies and deliveries on the channel queue behind them."""
-        data = frames.method_bytes(ch.number, method)
-        if method.index >> 16 in (40, 50) and self.broker.journal.dirty():
+        self._reply_data(ch, frames.method_bytes(ch.number, method), method.index >> 16 in (40, 50))
+
+    def _reply_data(self, ch: Channel, data: bytes, durable: bool) -> None:
+        if durable and self.broker.journal.dirty():
             ch.hold_until_synced(data)
         else:
             self._reply_bytes(ch, data)
@@ -901,9 +903,7 @@ class Connection:
         else:
             ch.vhost.bind(m.source, dest, m.routing_key, m.arguments)
         if not m.nowait:
-            self.send_method(
-                ch.number, commands.Exchange.UnbindOk() if unbind else commands.Exchange.BindOk()
-            )
+            self._reply(ch, commands.Exchange.UnbindOk() if unbind else commands.Exchange.BindOk())
 
     def _exchange_unbind(self, ch: Channel, m: Any) -> None:
         self._exchange_bind(ch, m, unbind=True)
@@ -933,9 +933,8 @@ class Connection:
         q.touch()
         ch.last_queue = q.name
         if not m.nowait:
-            self.send_method(
-                ch.number, commands.Queue.DeclareOk(q.name, len(q.messages), len(q.consumers))
-            )
+            ok = frames.queue_declare_ok(ch.number, q.name, len(q.messages), len(q.consumers))
+            self._reply_data(ch, ok, durable=True)
 
     @staticmethod
     def _queue_name(ch: Channel, name: str) -> str:

@@ -28,6 +28,7 @@ METHOD_HDR = struct.Struct(">BHIHH")
 CONTENT_HDR = struct.Struct(">BHIHHQ")
 HEADER_PAYLOAD = struct.Struct(">HHQ")
 U64_U8 = struct.Struct(">QB")
+U32_U32 = struct.Struct(">II")
 
 HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 
@@ -80,6 +81,16 @@ def content_frames(
             piece = view[start : start + limit]
             out += (FRAME_HDR.pack(FRAME_BODY, channel, len(piece)), bytes(piece), FRAME_END_BYTE)
     return out
+
+
+def queue_declare_ok(channel: int, queue: str, messages: int, consumers: int) -> bytes:
+    """By hand: pamqp refuses to encode names outside the spec's character set, which
+    RabbitMQ (and so Tandem) accepts."""
+    name = queue.encode()
+    payload = (
+        METHOD_IDS.pack(50, 11) + bytes((len(name),)) + name + U32_U32.pack(messages, consumers)
+    )
+    return FRAME_HDR.pack(FRAME_METHOD, channel, len(payload)) + payload + FRAME_END_BYTE
 
 
 def basic_ack_frame(channel: int, tag: int, multiple: bool) -> bytes:
