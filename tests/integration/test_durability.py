@@ -157,6 +157,19 @@ def test_consumed_messages_are_reclaimed(broker_factory) -> None:  # type: ignor
     assert len(consume_all(broker, "churn")) == 1
 
 
+def test_deleting_a_queue_frees_its_messages_in_the_log(broker: Broker) -> None:
+    publish_confirmed(broker, "doomed", 50)
+    publish_confirmed(broker, "kept", 5)
+    assert broker.status()["store"]["live_messages"] == 55
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    conn.channel().queue_delete("doomed")
+    conn.close()
+    assert broker.status()["store"]["live_messages"] == 5
+    broker.restart()
+    assert broker.status()["store"]["live_messages"] == 5
+    assert len(consume_all(broker, "kept")) == 5
+
+
 def test_compaction_carries_old_live_messages_forward(broker_factory) -> None:  # type: ignore[no-untyped-def]
     broker = broker_factory({"segment_bytes": 32 * 1024})
     publish_confirmed(broker, "stuck", 3, size=100)  # stays in the oldest segment

@@ -219,6 +219,8 @@ class Store:
 
     def define(self, vhost: str, op: str, body: dict[str, Any], durable: bool) -> None:
         self.offset += 1
+        if op == "queue.delete" and durable:
+            self._forget_queue(vhost, body["name"])
         if durable and not self.recovering:
             payload = json.dumps(
                 {"vhost": vhost, "op": op, "body": body}, separators=(",", ":")
@@ -247,6 +249,11 @@ class Store:
         self._append(encode_record(ENQUEUE, self.epoch, self.offset, payload))
         self.where[(vhost, queue, msg.mid)] = self.active
         self.segments[self.active] += 1
+
+    def _forget_queue(self, vhost: str, queue: str) -> None:
+        """A deleted queue's messages are no longer live: their segments can go."""
+        for key in [k for k in self.where if k[0] == vhost and k[1] == queue]:
+            self.segments[self.where.pop(key)] -= 1
 
     def dequeue(self, queue: Queue, msg: Message) -> None:
         self.offset += 1
