@@ -682,3 +682,24 @@ def test_queue_names_outside_the_spec_charset_work_as_in_rabbitmq(
     assert ch.queue_declare(name).method.queue == name
     ch.basic_publish("", name, b"utf-8")
     assert ch.basic_get(name, auto_ack=True)[2] == b"utf-8"
+
+
+def test_reject_publish_dlx_nacks_and_dead_letters(conn: pika.BlockingConnection) -> None:
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("overflowed")
+    ch.queue_declare(
+        "bounded",
+        arguments={
+            "x-max-length": 1,
+            "x-overflow": "reject-publish-dlx",
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": "overflowed",
+        },
+    )
+    ch.basic_publish("", "bounded", b"fits")
+    with pytest.raises(pika.exceptions.NackError):
+        ch.basic_publish("", "bounded", b"refused")
+    _m, props, body = ch.basic_get("overflowed", auto_ack=True)
+    assert body == b"refused"
+    assert props.headers["x-death"][0]["reason"] == "maxlen"
