@@ -19,6 +19,13 @@ def conn(broker: Broker) -> Iterator[pika.BlockingConnection]:
         c.close()
 
 
+def barrier(conn: pika.BlockingConnection, ch, queue: str) -> None:  # type: ignore[no-untyped-def]
+    """A round trip on the channel: every frame the broker sent before its reply has
+    arrived, and pika has dispatched it."""
+    ch.queue_declare(queue, passive=True)
+    conn.process_data_events(time_limit=0)
+
+
 def drain(ch, queue: str, n: int, ack: bool = True) -> list[bytes]:  # type: ignore[no-untyped-def]
     got = []
     for method, _props, body in ch.consume(queue, inactivity_timeout=5):
@@ -297,12 +304,12 @@ def test_prefetch_per_consumer_limits_unacked(
     ch.basic_qos(prefetch_count=3)
     seen = []
     ch.basic_consume("pf", lambda c, m, p, b: seen.append(m.delivery_tag))
-    conn.process_data_events(time_limit=0.3)
+    barrier(conn, ch, "pf")
     assert len(seen) == 3
     q = broker.queue("pf")
     assert (q["ready"], q["unacked"]) == (7, 3)
     ch.basic_ack(seen[-1], multiple=True)
-    conn.process_data_events(time_limit=0.3)
+    barrier(conn, ch, "pf")
     assert len(seen) == 6
 
 
@@ -318,7 +325,7 @@ def test_global_prefetch_and_prefetch_size_refused(broker: Broker) -> None:
     seen = []
     ch.basic_consume("g1", lambda *a: seen.append(1))
     ch.basic_consume("g2", lambda *a: seen.append(2))
-    c.process_data_events(time_limit=0.3)
+    barrier(c, ch, "g1")
     assert len(seen) == 2
     with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as err:
         ch.basic_qos(prefetch_size=10)
@@ -346,8 +353,8 @@ def test_consumer_cancel_notification_when_queue_deleted(conn: pika.BlockingConn
     ch.add_on_cancel_callback(lambda frame: cancelled.append(frame.method.consumer_tag))
     tag = ch.basic_consume("doomed", lambda *a: None)
     other = conn.channel()
-    other.queue_delete("doomed")
-    conn.process_data_events(time_limit=0.3)
+    other.queue_delete("doomed")  # the cancel was sent before delete-ok
+    conn.process_data_events(time_limit=0)
     assert cancelled == [tag]
 
 
@@ -571,14 +578,13 @@ def test_channel_flow_pauses_deliveries(conn: pika.BlockingConnection) -> None:
     ch = conn.channel()
     ch.queue_declare("flow")
     ch._impl.flow(False, lambda active: None)
-    conn.process_data_events(time_limit=0.1)
     seen = []
     ch.basic_consume("flow", lambda *a: seen.append(1), auto_ack=True)
     ch.basic_publish("", "flow", b"x")
-    conn.process_data_events(time_limit=0.2)
+    barrier(conn, ch, "flow")
     assert seen == []
     ch._impl.flow(True, lambda active: None)
-    conn.process_data_events(time_limit=0.3)
+    barrier(conn, ch, "flow")
     assert seen == [1]
 
 
@@ -619,7 +625,7 @@ def test_declare_ok_counts_messages_and_consumers(conn: pika.BlockingConnection)
     other = conn.channel()
     other.basic_qos(prefetch_count=1)
     other.basic_consume("counts", lambda *a: None)
-    conn.process_data_events(time_limit=0.1)
+    barrier(conn, other, "counts")
     ok = ch.queue_declare("counts", passive=True).method
     assert (ok.message_count, ok.consumer_count) == (2, 1)
 

@@ -64,10 +64,11 @@ scenario('prefetch limits deliveries until acks', async (conn) => {
   await ch.prefetch(4);
   const held = [];
   await ch.consume('js-prefetch', (msg) => held.push(msg));
-  await new Promise((r) => setTimeout(r, 300)); // deliveries that should not come
+  // A round trip: every delivery the broker sent before its reply has been handled.
+  await ch.checkQueue('js-prefetch');
   assert.equal(held.length, 4);
   ch.ack(held[3], true);
-  await new Promise((r) => setTimeout(r, 300));
+  await ch.checkQueue('js-prefetch');
   assert.equal(held.length, 8);
   await ch.close();
 });

@@ -461,6 +461,13 @@ class Connection:
             elif pos:
                 del buf[:pos]
 
+    def _dispatch_dirty(self) -> None:
+        """Deliver what acks, rejects, consumes and qos changes have made deliverable."""
+        queues = list(self.dirty_queues.values())
+        self.dirty_queues.clear()
+        for q in queues:
+            q.dispatch()
+
     def _after_batch(self) -> None:
         for ch in self.confirm_channels:
             ch.flush_confirms()
@@ -473,10 +480,7 @@ class Connection:
                 journal.when_synced(functools.partial(ch.synced, seqs))
             self.sync_channels.clear()
         if self.dirty_queues:
-            queues = list(self.dirty_queues.values())
-            self.dirty_queues.clear()
-            for q in queues:
-                q.dispatch()
+            self._dispatch_dirty()
         if self.published and self.hub.blocked_reason is not None:
             self.block(self.hub.blocked_reason)
 
@@ -666,6 +670,9 @@ class Connection:
                     raise errors.SyntaxError_(
                         "truncated method frame", class_id, method_id
                     ) from None
+            if self.dirty_queues:
+                # Deliveries made possible by earlier frames go out before any later reply.
+                self._dispatch_dirty()
             method = frames.decode_method(class_id, method_id, bytes(buf[start + 4 : end]))
             if channel is None:
                 if (class_id, method_id) == (20, 10):
