@@ -160,6 +160,7 @@ class RawClient:
 
     def __init__(self, port: int, timeout: float = 5.0) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as real clients do
         self.buf = b""
 
     def send(self, data: bytes) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import ssl
@@ -40,6 +41,17 @@ def _rss() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+def _raise_fd_limit(wanted: int) -> int:
+    """Let the node hold as many sockets as it accepts connections (soft limit up to hard)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard == resource.RLIM_INFINITY else min(hard, max(soft, wanted))
+    if target > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+    return soft
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -267,6 +279,10 @@ class Node:
                 self.cfg.data_dir,
             )
         cfg = self.cfg
+        fds = _raise_fd_limit(cfg.max_connections + 256)
+        if fds < cfg.max_connections + 64:
+            log.warning("open-file limit %d is below max_connections %d; raise it (ulimit -n)",
+                        fds, cfg.max_connections)
         tls = self._tls_context()
         amqp = await server.serve(
             self.broker,
