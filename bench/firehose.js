@@ -1,33 +1,37 @@
-// Firehose: one publisher connection and one consumer connection, 100-byte messages.
-// usage: node bench/firehose.js URL transient|persistent COUNT
-// Prints one JSON line: {mode, count, seconds, rate, received}. Exits non-zero if any
-// message is missing, duplicated or out of order.
+// Firehose: publisher connections and one consumer connection, 100-byte messages.
+// usage: node bench/firehose.js URL transient|persistent COUNT [PUBLISHERS]
+// Prints one JSON line: {mode, count, publishers, seconds, rate, received}. Exits non-zero if
+// any message is missing, duplicated or out of order (per publisher).
 'use strict';
 const amqp = require('amqplib');
 
 async function main() {
   const [url, mode, countArg] = process.argv.slice(2);
   const count = Number(countArg);
+  const publishers = Number(process.argv[5] || 1);
   const persistent = mode === 'persistent';
   const queue = `firehose-${mode}-${process.pid}-${Date.now()}`;
-  const pubConn = await amqp.connect(url);
+  const pubConns = [];
+  for (let p = 0; p < publishers; p++) pubConns.push(await amqp.connect(url));
   const subConn = await amqp.connect(url);
   const sub = await subConn.createChannel();
   await sub.assertQueue(queue, persistent ? { durable: true } : { durable: false, autoDelete: true });
   await sub.prefetch(1000);
-  const pub = persistent ? await pubConn.createConfirmChannel() : await pubConn.createChannel();
+  const pubs = [];
+  for (const c of pubConns) pubs.push(persistent ? await c.createConfirmChannel() : await c.createChannel());
   const body = Buffer.alloc(100, 'x');
 
   let received = 0;
-  let expected = 0;
+  const expected = new Array(publishers).fill(0);
   let bad = 0;
   let resolveDone;
   const done = new Promise((r) => { resolveDone = r; });
   await sub.consume(queue, (msg) => {
     if (msg === null) return; // cancelled by the broker when the queue is deleted
     const n = msg.content.readUInt32BE(0);
-    if (n !== expected) bad++;
-    expected = n + 1;
+    const p = msg.content.readUInt16BE(4);
+    if (n !== expected[p]) bad++;
+    expected[p] = n + 1;
     received++;
     sub.ack(msg);
     if (received === count) resolveDone();
@@ -43,20 +47,26 @@ async function main() {
     confirmed++;
     if (confirmed === count) resolveConfirms();
   };
-  for (let i = 0; i < count; i++) {
-    const b = Buffer.from(body);
-    b.writeUInt32BE(i, 0);
-    const ok = persistent
-      ? pub.sendToQueue(queue, b, { persistent: true }, onConfirm)
-      : pub.sendToQueue(queue, b);
-    if (!ok) await new Promise((r) => pub.once('drain', r));
-  }
+  const publish = async (p) => {
+    const pub = pubs[p];
+    const share = Math.floor(count / publishers) + (p < count % publishers ? 1 : 0);
+    for (let i = 0; i < share; i++) {
+      const b = Buffer.from(body);
+      b.writeUInt32BE(i, 0);
+      b.writeUInt16BE(p, 4);
+      const ok = persistent
+        ? pub.sendToQueue(queue, b, { persistent: true }, onConfirm)
+        : pub.sendToQueue(queue, b);
+      if (!ok) await new Promise((r) => pub.once('drain', r));
+    }
+  };
+  await Promise.all(pubs.map((_, p) => publish(p)));
   await Promise.all([done, confirmsDone]);
   const seconds = Number(process.hrtime.bigint() - start) / 1e9;
   await sub.deleteQueue(queue);
-  await pubConn.close();
+  for (const c of pubConns) await c.close();
   await subConn.close();
-  console.log(JSON.stringify({ mode, count, seconds, rate: count / seconds, received, bad }));
+  console.log(JSON.stringify({ mode, count, publishers, seconds, rate: count / seconds, received, bad }));
   if (bad || received !== count) process.exit(1);
 }
 

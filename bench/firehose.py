@@ -3,8 +3,9 @@
     python bench/firehose.py [--runs 5] [--rss-count 1000000] [--rabbitmq-url URL]
 
 (a) 100,000 transient 100-byte messages without confirms, (b) 50,000 persistent messages on a
-durable queue with publisher confirms; one warm-up each, then RUNS runs alternating Tandem and
-RabbitMQ; medians and the ratio Tandem/RabbitMQ. Then the RSS of each broker after 1,000,000
+durable queue with publisher confirms, from one publisher and (c) from ten publisher
+connections at once; one warm-up each, then RUNS runs alternating Tandem and RabbitMQ; medians
+and the ratio Tandem/RabbitMQ. Then the RSS of each broker after 1,000,000
 transient 100-byte messages are queued and confirmed. RabbitMQ is started with
 `rabbitmq-server -detached` if nothing answers on its URL. Every message is checked to arrive.
 """
@@ -115,27 +116,32 @@ def main() -> int:
     ensure_rabbitmq(args.rabbitmq_url)
     tandem = Tandem()
     brokers = {"tandem": tandem.url, "rabbitmq": args.rabbitmq_url}
-    modes = {"transient": "100000", "persistent": "50000"}
+    modes = {
+        "transient": ("100000", "1"),
+        "persistent": ("50000", "1"),
+        "persistent-10": ("50000", "10"),
+    }
     print(f"machine: {os.cpu_count()} cores; client: amqplib; runs: {args.runs}")
     try:
         results: dict[tuple[str, str], list[float]] = {}
-        for mode, count in modes.items():
+        for mode, (count, publishers) in modes.items():
+            kind = mode.split("-")[0]
             for url in brokers.values():
-                node("firehose.js", url, mode, count)  # warm-up
+                node("firehose.js", url, kind, count, publishers)  # warm-up
             for run in range(args.runs):
                 for name, url in brokers.items():
-                    r = node("firehose.js", url, mode, count)
+                    r = node("firehose.js", url, kind, count, publishers)
                     results.setdefault((name, mode), []).append(float(r["rate"]))  # type: ignore[arg-type]
                     print(
-                        f"  {mode:10} run {run + 1} {name:8} {float(r['rate']):9.0f} msg/s",
+                        f"  {mode:13} run {run + 1} {name:8} {float(r['rate']):9.0f} msg/s",
                         flush=True,
                     )
         print()
-        print(f"{'mode':12}{'tandem':>12}{'rabbitmq':>12}{'ratio':>8}   (median msg/s)")
+        print(f"{'mode':15}{'tandem':>10}{'rabbitmq':>10}{'ratio':>8}   (median msg/s)")
         for mode in modes:
             t = statistics.median(results[("tandem", mode)])
             r = statistics.median(results[("rabbitmq", mode)])
-            print(f"{mode:12}{t:12.0f}{r:12.0f}{t / r:8.2f}")
+            print(f"{mode:15}{t:10.0f}{r:10.0f}{t / r:8.2f}")
         print()
         if args.rss_count:
             tandem.stop()
