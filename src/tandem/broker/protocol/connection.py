@@ -1039,6 +1039,7 @@ class Connection:
         qname = self._queue_name(ch, m.queue)
         self._check("read", qname)
         q = self._queue(ch, qname)
+        q.touch()  # a get is a use, for x-expires
         msg = q.get()
         if msg is None:
             self._reply(ch, commands.Basic.GetEmpty())
