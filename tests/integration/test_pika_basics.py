@@ -709,3 +709,20 @@ def test_reject_publish_dlx_nacks_and_dead_letters(conn: pika.BlockingConnection
     _m, props, body = ch.basic_get("overflowed", auto_ack=True)
     assert body == b"refused"
     assert props.headers["x-death"][0]["reason"] == "maxlen"
+
+
+def test_single_active_consumer(conn: pika.BlockingConnection) -> None:
+    ch = conn.channel()
+    ch.queue_declare("sac", arguments={"x-single-active-consumer": True})
+    got: dict[str, list[bytes]] = {"a": [], "b": []}
+    ch.basic_consume("sac", lambda c, m, p, b: got["a"].append(b), auto_ack=True, consumer_tag="a")
+    ch.basic_consume("sac", lambda c, m, p, b: got["b"].append(b), auto_ack=True, consumer_tag="b")
+    for i in range(6):
+        ch.basic_publish("", "sac", str(i).encode())
+    barrier(conn, ch, "sac")
+    assert (len(got["a"]), got["b"]) == (6, [])
+    ch.basic_cancel("a")
+    for i in range(6, 9):
+        ch.basic_publish("", "sac", str(i).encode())
+    barrier(conn, ch, "sac")
+    assert got["b"] == [b"6", b"7", b"8"]

@@ -281,8 +281,11 @@ class Node:
         cfg = self.cfg
         fds = _raise_fd_limit(cfg.max_connections + 256)
         if fds < cfg.max_connections + 64:
-            log.warning("open-file limit %d is below max_connections %d; raise it (ulimit -n)",
-                        fds, cfg.max_connections)
+            log.warning(
+                "open-file limit %d is below max_connections %d; raise it (ulimit -n)",
+                fds,
+                cfg.max_connections,
+            )
         tls = self._tls_context()
         amqp = await server.serve(
             self.broker,

@@ -90,6 +90,7 @@ EQUIVALENCE_ARGS = (
     "x-max-priority",
     "x-queue-type",
     "x-tandem-replicate",
+    "x-single-active-consumer",
 )
 REPLICATE_MODES = ("none", "configuration", "all")
 
@@ -154,6 +155,8 @@ class Queue:
         self.last_used = vhost.clock()
         self.deleted = False
         self.timed = self.ttl is not None
+        # RabbitMQ's single active consumer: only the longest-standing consumer is served.
+        self.single_active = bool(args.get("x-single-active-consumer", False))
         # Counters for metrics.
         self.published = 0
         self.delivered = 0
@@ -212,7 +215,7 @@ class Queue:
         messages = self.messages
         if self.consumers and not messages:
             consumers = self.consumers
-            n = len(consumers)
+            n = 1 if self.single_active else len(consumers)
             for _ in range(n):
                 c = consumers[self.rr % n]
                 self.rr += 1
@@ -269,7 +272,7 @@ class Queue:
             return
         if self.timed:
             self.expire_head()
-        n = len(consumers)
+        n = 1 if self.single_active else len(consumers)
         idle = 0
         while messages and idle < n:
             c = consumers[self.rr % n]
@@ -281,7 +284,7 @@ class Queue:
             msg = messages.popleft()
             self.bytes -= msg.body_size
             self._hand(c, msg)
-            n = len(consumers)
+            n = min(len(consumers), 1) if self.single_active else len(consumers)
             if not n:
                 break
 
