@@ -145,7 +145,9 @@ def test_status_contract(broker: Broker) -> None:
 
 
 def test_metrics(broker: Broker) -> None:
-    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    params = pika.URLParameters(broker.url())
+    params.client_properties = {"connection_name": "billing-worker"}
+    conn = pika.BlockingConnection(params)
     ch = conn.channel()
     ch.confirm_delivery()
     ch.queue_declare("m", durable=True)
@@ -159,9 +161,11 @@ def test_metrics(broker: Broker) -> None:
     assert "tandem_connections 1.0" in text
     assert "tandem_channels 1.0" in text
     assert "tandem_fsync_seconds_count" in text
+    assert "process_resident_memory_bytes" in text
     count = [line for line in text.splitlines() if line.startswith("tandem_fsync_seconds_count")]
     assert float(count[0].split()[-1]) >= 1
     conn.close()
+    assert "'billing-worker' (user 'guest', vhost '/')" in broker.log()
 
 
 def ctl(broker: Broker, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.broker.model.auth import Permission
@@ -96,6 +96,7 @@ def make_app(node: Node) -> web.Application:
     registry = CollectorRegistry()
     registry.register(NodeCollector(node))
     registry.register(FSYNC_SECONDS)
+    ProcessCollector(registry=registry)  # process_resident_memory_bytes, open fds, CPU
     token = node.cfg.admin_token
 
     @web.middleware

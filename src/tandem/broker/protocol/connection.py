@@ -529,7 +529,9 @@ class Connection:
         self._teardown(text)
 
     def _who(self) -> str:
-        return f"{self.peer} (user '{self.user}', vhost '{self.vhost_name}')"
+        name = self.client_properties.get("connection_name")
+        named = f" '{name}'" if isinstance(name, str) and name else ""
+        return f"{self.peer}{named} (user '{self.user}', vhost '{self.vhost_name}')"
 
     def _teardown(self, reason: str) -> None:
         """Release everything this connection holds; idempotent."""
