@@ -253,18 +253,20 @@ class RawClient:
         body: bytes,
         props: commands.Basic.Properties | None = None,
     ) -> None:
-        self.send_method(
-            channel, commands.Basic.Publish(exchange=exchange, routing_key=routing_key)
-        )
-        self.send(
-            frame.marshal(
-                header.ContentHeader(0, len(body), props or commands.Basic.Properties()), channel
-            )
-        )
+        """One write for the method, header and body frames, as real clients do."""
         from pamqp import body as body_mod
 
+        parts = [
+            frame.marshal(
+                commands.Basic.Publish(exchange=exchange, routing_key=routing_key), channel
+            ),
+            frame.marshal(
+                header.ContentHeader(0, len(body), props or commands.Basic.Properties()), channel
+            ),
+        ]
         if body:
-            self.send(frame.marshal(body_mod.ContentBody(body), channel))
+            parts.append(frame.marshal(body_mod.ContentBody(body), channel))
+        self.send(b"".join(parts))
 
     def close(self) -> None:
         self.sock.close()

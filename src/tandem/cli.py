@@ -76,6 +76,7 @@ CTL_VERBS: dict[str, tuple[str, str, list[str]]] = {
     ),
     "clear_permissions": ("DELETE", "/api/permissions/{vhost}/{user}", ["user"]),
     "list_queues": ("GET", "/api/queues", []),
+    "export_definitions": ("GET", "/api/definitions", []),
 }
 
 

@@ -304,13 +304,137 @@ def test_memory_alarm_blocks_and_stops_reading_publishers(broker_factory) -> Non
     c.handshake()
     assert "memory" in c.expect(commands.Connection.Blocked).reason
     c.open_channel()
+    c.send_method(1, commands.Confirm.Select())
+    c.expect(commands.Confirm.SelectOk)
     c.send_method(1, commands.Queue.Declare(queue="held"))
     c.expect(commands.Queue.DeclareOk)
     c.publish(1, "", "held", b"first")
-    c.publish(1, "", "held", b"second")
+    c.expect(commands.Basic.Ack)  # the publish was handled; reading stops after it
     c.send_method(1, commands.Queue.Declare(queue="held", passive=True))
-    # The broker stopped reading this publisher: the passive declare gets no answer.
     c.sock.settimeout(1.0)
     with pytest.raises(TimeoutError):
-        c.recv_frame()
-    assert broker.queue("held")["depth"] <= 1
+        c.recv_frame()  # no answer: the broker no longer reads this publisher
+    assert broker.queue("held")["depth"] == 1
+
+
+RABBITMQ_DEFINITIONS = {
+    "rabbit_version": "3.10.8",
+    "users": [
+        {
+            "name": "legacy",
+            # RabbitMQ's documented example hash of the password "test12".
+            "password_hash": "kI3GCqW5JLMJa4iX1lo7X4D6XbYqlLgxIs30+P6tENUV2POR",
+            "hashing_algorithm": "rabbit_password_hashing_sha256",
+            "tags": "administrator",
+        }
+    ],
+    "vhosts": [{"name": "/"}, {"name": "legacy-vh"}],
+    "permissions": [
+        {"user": "legacy", "vhost": "legacy-vh", "configure": ".*", "write": ".*", "read": ".*"}
+    ],
+    "exchanges": [
+        {
+            "name": "orders",
+            "vhost": "legacy-vh",
+            "type": "topic",
+            "durable": True,
+            "auto_delete": False,
+            "internal": False,
+            "arguments": {},
+        }
+    ],
+    "queues": [
+        {
+            "name": "orders.eu",
+            "vhost": "legacy-vh",
+            "durable": True,
+            "auto_delete": False,
+            "arguments": {"x-max-length": 1000},
+        }
+    ],
+    "bindings": [
+        {
+            "source": "orders",
+            "vhost": "legacy-vh",
+            "destination": "orders.eu",
+            "destination_type": "queue",
+            "routing_key": "eu.#",
+            "arguments": {},
+        }
+    ],
+}
+
+
+def test_rabbitmq_definitions_import_and_export(broker_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    path = tmp_path / "definitions.json"
+    path.write_text(json.dumps(RABBITMQ_DEFINITIONS))
+    broker = broker_factory({"definitions": str(path)})
+    conn = connect(broker, "legacy", "test12", "legacy-vh")
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish(
+        "orders", "eu.de", b"bestellung", pika.BasicProperties(delivery_mode=2), mandatory=True
+    )
+    assert (
+        ch.queue_declare(
+            "orders.eu", durable=True, arguments={"x-max-length": 1000}, passive=True
+        ).method.message_count
+        == 1
+    )
+    conn.close()
+    code, exported = broker.http("GET", "/api/definitions")
+    assert code == 200
+    assert {
+        "name": "orders.eu",
+        "vhost": "legacy-vh",
+        "durable": True,
+        "auto_delete": False,
+        "arguments": {"x-max-length": 1000},
+    } in exported["queues"]
+    assert any(b["source"] == "orders" and b["routing_key"] == "eu.#" for b in exported["bindings"])
+    user = next(u for u in exported["users"] if u["name"] == "legacy")
+    assert user["password_hash"] == RABBITMQ_DEFINITIONS["users"][0]["password_hash"]
+    assert user["hashing_algorithm"] == "rabbit_password_hashing_sha256"
+    # Loading is idempotent: a restart with the same file keeps the queue's messages.
+    broker.restart()
+    assert broker.queue("orders.eu", "legacy-vh")["depth"] == 1
+
+
+def test_bad_definitions_file_is_a_clear_error(tmp_path: Path) -> None:
+    import json
+
+    bad = dict(
+        RABBITMQ_DEFINITIONS,
+        users=[
+            {
+                "name": "x",
+                "password_hash": "abc",
+                "hashing_algorithm": "rabbit_password_hashing_md5",
+            }
+        ],
+    )
+    path = tmp_path / "definitions.json"
+    path.write_text(json.dumps(bad))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"definitions: {path}\n")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "broker",
+            "--config",
+            str(cfg),
+            "--amqp-port",
+            "0",
+            "--admin-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 2
+    assert "rabbit_password_hashing_md5" in r.stderr and str(path) in r.stderr

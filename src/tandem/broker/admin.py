@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tandem.broker.model import definitions
 from tandem.broker.model.auth import Permission
 
 if TYPE_CHECKING:
@@ -198,6 +199,9 @@ def make_app(node: Node) -> web.Application:
         node.save_auth()
         return web.json_response({"deleted": True})
 
+    async def export_definitions(request: web.Request) -> web.Response:
+        return web.json_response(definitions.export(node.broker))
+
     async def list_queues(request: web.Request) -> web.Response:
         return web.json_response(node.status()["queues"])
 
@@ -218,6 +222,7 @@ def make_app(node: Node) -> web.Application:
             web.put("/api/permissions/{vhost}/{user}", put_permission),
             web.delete("/api/permissions/{vhost}/{user}", delete_permission),
             web.get("/api/queues", list_queues),
+            web.get("/api/definitions", export_definitions),
         ]
     )
     return app

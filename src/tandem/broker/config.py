@@ -56,6 +56,7 @@ class Config:
     vhosts: list[str] = field(default_factory=lambda: ["/"])
     permissions: list[PermissionSpec] = field(default_factory=list)
     log_level: str = "INFO"
+    definitions: str | None = None  # a RabbitMQ definitions export to load at start
 
 
 _SCALARS = {
@@ -81,6 +82,7 @@ _SCALARS = {
     "segment_bytes": int,
     "guest_remote": bool,
     "log_level": str,
+    "definitions": str,
 }
 
 

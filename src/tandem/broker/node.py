@@ -17,6 +17,7 @@ from typing import Any
 from tandem import errors
 from tandem.broker import admin, server
 from tandem.broker.config import Config
+from tandem.broker.model import definitions
 from tandem.broker.model.auth import Permission
 from tandem.broker.model.broker import Broker
 from tandem.broker.protocol import connection as conn_mod
@@ -87,6 +88,7 @@ class Node:
         self.admin_port = 0
         self.memory_limit = cfg.memory_high_watermark or int(_machine_memory() * 0.4)
         self._auth_file = cfg.data_dir / "auth.json" if cfg.data_dir else None
+        self.definitions = self._read_definitions()
         self._setup_auth()
 
     # -- users and vhosts --
@@ -118,8 +120,26 @@ class Node:
                 raise errors.ConfigError(f"permissions: unknown user '{p.user}'")
             self.broker.add_vhost(p.vhost)
             users.set_permission(p.user, p.vhost, Permission(p.configure, p.write, p.read))
+        if self.definitions is not None:
+            definitions.apply_auth(self.broker, self.definitions)
         if self._auth_file is not None and self._auth_file.exists():
             self._load_auth(json.loads(self._auth_file.read_text()))
+
+    def _read_definitions(self) -> dict[str, Any] | None:
+        path = self.cfg.definitions
+        if not path:
+            return None
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise errors.ConfigError(f"cannot read definitions {path}: {exc}") from exc
+        data = definitions.validate(data, path)
+        for key in definitions.UNSUPPORTED:
+            if data.get(key):
+                log.warning(
+                    "%s: '%s' are RabbitMQ features Tandem does not have; skipped", path, key
+                )
+        return data
 
     def _load_auth(self, data: dict[str, Any]) -> None:
         users = self.broker.users
@@ -278,6 +298,8 @@ class Node:
                 result.messages,
                 self.cfg.data_dir,
             )
+        if self.definitions is not None:
+            definitions.apply_entities(self.broker, self.definitions, str(self.cfg.definitions))
         cfg = self.cfg
         fds = _raise_fd_limit(cfg.max_connections + 256)
         if fds < cfg.max_connections + 64:

@@ -1,0 +1,162 @@
+"""RabbitMQ definitions (the JSON of `rabbitmqctl export_definitions`): load and export.
+
+A RabbitMQ user moves to Tandem by pointing `definitions:` at an export: users keep their
+password hashes (RabbitMQ's SHA-256 format is Tandem's), and vhosts, permissions, exchanges,
+queues and bindings are declared at start, where they do not exist yet. Policies, parameters
+and topic permissions are RabbitMQ features Tandem does not have; they are reported, not
+applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.broker.model.auth import Permission
+from tandem.broker.model.broker import Broker
+from tandem.broker.model.queue import Queue
+from tandem.errors import ConfigError
+
+HASHING = "rabbit_password_hashing_sha256"
+UNSUPPORTED = ("policies", "parameters", "global_parameters", "topic_permissions")
+
+
+def validate(data: Any, source: str) -> dict[str, Any]:
+    """Check the shape of a definitions document; errors name the source and the entry."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: definitions must be a JSON object")
+    for key in ("users", "vhosts", "permissions", "exchanges", "queues", "bindings"):
+        items = data.get(key, [])
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise ConfigError(f"{source}: '{key}' must be a list of objects")
+    for i, u in enumerate(data.get("users", [])):
+        if "name" not in u or not ("password_hash" in u or "password" in u):
+            raise ConfigError(f"{source}: users[{i}] needs 'name' and 'password_hash'")
+        algorithm = u.get("hashing_algorithm", HASHING)
+        if "password_hash" in u and algorithm != HASHING:
+            raise ConfigError(
+                f"{source}: users[{i}] ('{u['name']}') uses {algorithm}; Tandem reads "
+                f"{HASHING} hashes only (set a new password for this user)"
+            )
+    for key, needed in (
+        ("permissions", ("user", "vhost")),
+        ("exchanges", ("name", "vhost")),
+        ("queues", ("name", "vhost")),
+        ("bindings", ("source", "vhost", "destination")),
+    ):
+        for i, item in enumerate(data.get(key, [])):
+            missing = [n for n in needed if n not in item]
+            if missing:
+                raise ConfigError(f"{source}: {key}[{i}] lacks {', '.join(missing)}")
+    return data
+
+
+def _tags(raw: Any) -> list[str]:
+    if isinstance(raw, str):
+        return [t for t in raw.split(",") if t]
+    return [str(t) for t in raw or []]
+
+
+def apply_auth(broker: Broker, data: dict[str, Any]) -> None:
+    """Users, vhosts and permissions."""
+    users = broker.users
+    for v in data.get("vhosts", []):
+        broker.add_vhost(str(v["name"]))
+    for u in data.get("users", []):
+        users.add(
+            str(u["name"]),
+            password=u.get("password"),
+            password_hash=u.get("password_hash"),
+            tags=_tags(u.get("tags")),
+        )
+    for p in data.get("permissions", []):
+        broker.add_vhost(str(p["vhost"]))
+        users.set_permission(
+            str(p["user"]),
+            str(p["vhost"]),
+            Permission(
+                str(p.get("configure", "")), str(p.get("write", "")), str(p.get("read", ""))
+            ),
+        )
+
+
+def apply_entities(broker: Broker, data: dict[str, Any], source: str) -> None:
+    """Exchanges, queues and bindings that do not exist yet (an existing one is kept)."""
+    for e in data.get("exchanges", []):
+        vh = broker.add_vhost(str(e["vhost"]))
+        if e["name"] not in vh.exchanges:
+            vh.declare_exchange(
+                str(e["name"]),
+                str(e.get("type", "direct")),
+                durable=bool(e.get("durable")),
+                auto_delete=bool(e.get("auto_delete")),
+                internal=bool(e.get("internal")),
+                arguments=dict(e.get("arguments") or {}),
+            )
+    for q in data.get("queues", []):
+        vh = broker.add_vhost(str(q["vhost"]))
+        if q["name"] not in vh.queues:
+            vh.declare_queue(
+                str(q["name"]),
+                durable=bool(q.get("durable")),
+                auto_delete=bool(q.get("auto_delete")),
+                arguments=dict(q.get("arguments") or {}),
+            )
+    for b in data.get("bindings", []):
+        vh = broker.add_vhost(str(b["vhost"]))
+        kind = b.get("destination_type", "queue")
+        dest = (vh.queues if kind == "queue" else vh.exchanges).get(str(b["destination"]))
+        if dest is None or b["source"] not in vh.exchanges:
+            raise ConfigError(
+                f"{source}: binding {b['source']} -> {b['destination']} in "
+                f"vhost '{b['vhost']}' names something that does not exist"
+            )
+        vh.bind(
+            str(b["source"]), dest, str(b.get("routing_key", "")), dict(b.get("arguments") or {})
+        )
+
+
+def export(broker: Broker) -> dict[str, Any]:
+    """Tandem's durable definitions and users in RabbitMQ's format."""
+    users = broker.users
+    out: dict[str, Any] = {
+        "product": "Tandem",
+        "users": [
+            {
+                "name": u.name,
+                "password_hash": u.password_hash,
+                "hashing_algorithm": HASHING,
+                "tags": u.tags,
+            }
+            for u in users.users.values()
+        ],
+        "vhosts": [{"name": name} for name in sorted(broker.vhosts)],
+        "permissions": [
+            {
+                "user": user,
+                "vhost": vhost,
+                "configure": p.configure,
+                "write": p.write,
+                "read": p.read,
+            }
+            for (user, vhost), p in users.permissions.items()
+        ],
+        "exchanges": [],
+        "queues": [],
+        "bindings": [],
+    }
+    for vh in broker.vhosts.values():
+        for ex in vh.exchanges.values():
+            if ex.durable and ex.name and not ex.name.startswith("amq."):
+                out["exchanges"].append({"vhost": vh.name, **vh.exchange_body(ex)})
+        for q in vh.queues.values():
+            if q.durable:
+                out["queues"].append({"vhost": vh.name, **vh.queue_body(q)})
+        for b in vh.bindings():
+            dest = b.destination
+            if (
+                b.source.durable
+                and dest.durable
+                and not (isinstance(dest, Queue) and dest.exclusive_owner)
+            ):
+                out["bindings"].append({"vhost": vh.name, **vh.binding_body(b)})
+    return out
