@@ -106,6 +106,17 @@ def test_declarations_answered_before_kill_9_survive(broker: Broker) -> None:
     assert all(broker.queue(f"kq{i}")["depth"] == 1 for i in range(20))
 
 
+def test_log_position_is_stable_across_restarts(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    broker = broker_factory({"segment_bytes": 16 * 1024})  # rolls segments: snapshots too
+    publish_confirmed(broker, "pos", 200)
+    before = broker.status()["position"]
+    for _ in range(2):
+        broker.restart()
+        assert broker.status()["position"] == before
+    publish_confirmed(broker, "pos", 1)
+    assert broker.status()["position"] > before
+
+
 def test_acked_messages_stay_gone_after_clean_restart(broker: Broker) -> None:
     publish_confirmed(broker, "gone", 20)
     assert len(consume_all(broker, "gone")) == 20

@@ -217,22 +217,27 @@ class Store:
 
     # -- the Journal port --
 
+    # While recovering, the model replays the log through this port: nothing is new, so
+    # nothing advances the position or is written again.
+
     def define(self, vhost: str, op: str, body: dict[str, Any], durable: bool) -> None:
+        if self.recovering:
+            return
         self.offset += 1
         if op == "queue.delete" and durable:
             self._forget_queue(vhost, body["name"])
-        if durable and not self.recovering:
+        if durable:
             payload = json.dumps(
                 {"vhost": vhost, "op": op, "body": body}, separators=(",", ":")
             ).encode()
             self._append(encode_record(DEFINE, self.epoch, self.offset, payload))
 
     def enqueue(self, queue: Queue, msg: Message) -> None:
+        if self.recovering:
+            return
         self.offset += 1
         if not msg.mid:
             msg.mid = self.offset
-        if self.recovering:
-            return
         self._write_enqueue(queue.vhost.name, queue.name, msg)
 
     def _write_enqueue(self, vhost: str, queue: str, msg: Message) -> None:
@@ -256,9 +261,9 @@ class Store:
             self.segments[self.where.pop(key)] -= 1
 
     def dequeue(self, queue: Queue, msg: Message) -> None:
-        self.offset += 1
         if self.recovering:
             return
+        self.offset += 1
         key = (queue.vhost.name, queue.name, msg.mid)
         seg = self.where.pop(key, None)
         if seg is None:
@@ -290,8 +295,10 @@ class Store:
             self._roll()
 
     def _roll(self) -> None:
-        """Start a new segment, beginning with a snapshot of the durable definitions."""
-        self.active = self.offset + 1
+        """Start a new segment, beginning with a snapshot of the durable definitions (a record
+        of its own, with its own offset, that names the segment)."""
+        self.offset += 1
+        self.active = self.offset
         self.segments[self.active] = 0
         self.active_size = 0
         snapshot = json.dumps(self._definitions(), separators=(",", ":")).encode()
