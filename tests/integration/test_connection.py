@@ -301,3 +301,20 @@ def test_client_that_sends_but_never_reads_is_backpressured(broker: Broker) -> N
     assert sent < 64 * 1024 * 1024, f"the broker kept reading: {sent} bytes accepted"
     assert_other_connections_work(broker)
     c.close()
+
+
+def test_malformed_content_properties_are_406(broker: Broker) -> None:
+    c = RawClient(broker.amqp_port)
+    c.handshake()
+    c.open_channel()
+    c.send_method(1, commands.Queue.Declare(queue="props"))
+    c.expect(commands.Queue.DeclareOk)
+    c.send_method(1, commands.Basic.Publish(exchange="", routing_key="props"))
+    # Headers and user-id flagged (fields the fast scan skips); the table inside is garbage.
+    props = struct.pack(">H", 0x2010) + b"\x00\x00\x00\x0f\x01aA\x00\x00\x00\x08b\x01S\x00\x00\x00"
+    payload = struct.pack(">HHQ", 60, 0, 0) + props
+    c.send(struct.pack(">BHI", 2, 1, len(payload)) + payload + b"\xce")
+    close = c.expect(commands.Channel.Close)
+    assert close.reply_code == 406
+    assert "malformed content properties" in close.reply_text
+    assert_other_connections_work(broker)

@@ -153,10 +153,14 @@ def _scan(msg: Message) -> None:
 
 
 def decode_properties(props: bytes) -> commands.Basic.Properties:
-    """Decode the raw properties fully (the slow path)."""
-    flags = _U16.unpack_from(props, 0)[0]
-    p = commands.Basic.Properties()
-    p.unmarshal(flags, props[2:])
+    """Decode the raw properties fully (the slow path). ValueError if they are malformed:
+    the hot path reads only a few fields, so a publisher's garbage can surface here."""
+    try:
+        flags = _U16.unpack_from(props, 0)[0]
+        p = commands.Basic.Properties()
+        p.unmarshal(flags, props[2:])
+    except Exception as exc:  # pamqp raises ValueError, struct.error, IndexError, ...
+        raise ValueError(f"malformed content properties: {exc}") from exc
     return p
 
 
@@ -171,4 +175,7 @@ def has_user_id(props: bytes) -> bool:
 def headers_of(msg: Message) -> dict[str, Any]:
     if len(msg.props) < 2 or not _U16.unpack_from(msg.props, 0)[0] & F_HEADERS:
         return {}
-    return decode_properties(msg.props).headers or {}
+    try:
+        return decode_properties(msg.props).headers or {}
+    except ValueError:
+        return {}  # unreadable headers match no binding

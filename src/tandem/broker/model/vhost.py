@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pamqp import commands
+
 from tandem import errors
 from tandem.broker.model import message as message_mod
 from tandem.broker.model.exchange import EXCHANGE_TYPES, Binding, Exchange
@@ -295,7 +297,11 @@ class VirtualHost:
         ex = self.exchanges.get(queue.dlx)
         if ex is None:
             return
-        props = message_mod.decode_properties(msg.props)
+        try:
+            props = message_mod.decode_properties(msg.props)
+        except ValueError:
+            # Unreadable properties: dead-letter the body with fresh ones (and x-death).
+            props = commands.Basic.Properties(delivery_mode=2 if msg.persistent else None)
         headers: dict[str, Any] = dict(props.headers or {})
         deaths: list[dict[str, Any]] = [
             dict(d) for d in headers.get("x-death") or [] if isinstance(d, dict)

@@ -1237,7 +1237,11 @@ class Connection:
             )
             return
         if message_mod.has_user_id(msg.props):
-            user_id = message_mod.decode_properties(msg.props).user_id
+            try:
+                user_id = message_mod.decode_properties(msg.props).user_id
+            except ValueError as exc:
+                self._error(ch.number, errors.PreconditionFailed(str(exc), 60, 40))
+                return
             if user_id != self.user:
                 self._error(
                     ch.number,
@@ -1315,7 +1319,10 @@ class Connection:
             if ch.confirm:
                 ch.confirm_now(ch.publish_seq)
             return True
-        props = message_mod.decode_properties(msg.props)
+        try:
+            props = message_mod.decode_properties(msg.props)
+        except ValueError as exc:
+            raise errors.PreconditionFailed(str(exc), 60, 40) from exc
         if props.reply_to == REPLY_TO:
             reply_token = ch.reply_token
             if reply_token is None or reply_token not in self.hub.reply_to:
