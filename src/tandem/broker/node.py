@@ -121,7 +121,7 @@ class Node:
             self.broker.add_vhost(p.vhost)
             users.set_permission(p.user, p.vhost, Permission(p.configure, p.write, p.read))
         if self.definitions is not None:
-            definitions.apply_auth(self.broker, self.definitions)
+            definitions.apply_auth(self.broker, self.definitions, cfg.guest_remote)
         if self._auth_file is not None and self._auth_file.exists():
             self._load_auth(json.loads(self._auth_file.read_text()))
 
@@ -142,43 +142,19 @@ class Node:
         return data
 
     def _load_auth(self, data: dict[str, Any]) -> None:
-        users = self.broker.users
-        users.users.clear()
-        users.permissions.clear()
-        for name in data.get("vhosts", []):
-            self.broker.add_vhost(name)
-        for u in data.get("users", []):
-            users.add(
-                u["name"],
-                password_hash=u["password_hash"],
-                tags=u.get("tags", []),
-                loopback_only=u["name"] == "guest" and not self.cfg.guest_remote,
-            )
-        for p in data.get("permissions", []):
-            users.set_permission(
-                p["user"], p["vhost"], Permission(p["configure"], p["write"], p["read"])
-            )
+        """Runtime-managed users, vhosts and permissions replace the configured ones."""
+        self.broker.users.users.clear()
+        self.broker.users.permissions.clear()
+        definitions.apply_auth(self.broker, data, self.cfg.guest_remote)
 
     def save_auth(self) -> None:
-        """Persist users, vhosts and permissions changed at runtime."""
+        """Persist users, vhosts and permissions changed at runtime, in RabbitMQ's
+        definitions format (password hashes only)."""
         if self._auth_file is None:
             return
-        users = self.broker.users
-        data = {
-            "vhosts": sorted(self.broker.vhosts),
-            "users": [u.as_dict() for u in users.users.values()],
-            "permissions": [
-                {
-                    "user": user,
-                    "vhost": vhost,
-                    "configure": p.configure,
-                    "write": p.write,
-                    "read": p.read,
-                }
-                for (user, vhost), p in users.permissions.items()
-            ],
-        }
-        _write_atomically(self._auth_file, json.dumps(data, indent=1))
+        _write_atomically(
+            self._auth_file, json.dumps(definitions.export_auth(self.broker), indent=1)
+        )
 
     def delete_vhost(self, name: str) -> bool:
         for proto in list(self.connections):

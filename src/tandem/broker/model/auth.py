@@ -53,9 +53,6 @@ class User:
     tags: list[str] = field(default_factory=list)
     loopback_only: bool = False
 
-    def as_dict(self) -> dict[str, object]:
-        return {"name": self.name, "password_hash": self.password_hash, "tags": self.tags}
-
 
 class Users:
     """Users and their per-vhost permissions."""

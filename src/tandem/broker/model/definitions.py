@@ -56,17 +56,19 @@ def _tags(raw: Any) -> list[str]:
     return [str(t) for t in raw or []]
 
 
-def apply_auth(broker: Broker, data: dict[str, Any]) -> None:
-    """Users, vhosts and permissions."""
+def apply_auth(broker: Broker, data: dict[str, Any], guest_remote: bool = False) -> None:
+    """Users, vhosts and permissions. `guest` stays loopback-only unless guest_remote."""
     users = broker.users
     for v in data.get("vhosts", []):
         broker.add_vhost(str(v["name"]))
     for u in data.get("users", []):
+        name = str(u["name"])
         users.add(
-            str(u["name"]),
+            name,
             password=u.get("password"),
             password_hash=u.get("password_hash"),
             tags=_tags(u.get("tags")),
+            loopback_only=name == "guest" and not guest_remote,
         )
     for p in data.get("permissions", []):
         broker.add_vhost(str(p["vhost"]))
@@ -115,11 +117,10 @@ def apply_entities(broker: Broker, data: dict[str, Any], source: str) -> None:
         )
 
 
-def export(broker: Broker) -> dict[str, Any]:
-    """Tandem's durable definitions and users in RabbitMQ's format."""
+def export_auth(broker: Broker) -> dict[str, Any]:
+    """Users, vhosts and permissions in RabbitMQ's format."""
     users = broker.users
-    out: dict[str, Any] = {
-        "product": "Tandem",
+    return {
         "users": [
             {
                 "name": u.name,
@@ -140,6 +141,14 @@ def export(broker: Broker) -> dict[str, Any]:
             }
             for (user, vhost), p in users.permissions.items()
         ],
+    }
+
+
+def export(broker: Broker) -> dict[str, Any]:
+    """Tandem's users and durable definitions in RabbitMQ's format."""
+    out: dict[str, Any] = {
+        "product": "Tandem",
+        **export_auth(broker),
         "exchanges": [],
         "queues": [],
         "bindings": [],

@@ -190,27 +190,23 @@ class Channel:
         route = msg.route
         ctag = consumer.tag_enc
         msize = 13 + len(ctag) + len(route)
+        parts = [
+            METHOD_HDR.pack(1, ch, msize, 60, 60),
+            ctag,
+            U64_U8.pack(tag, msg.redelivered),
+            route,
+            FRAME_END_BYTE,
+        ]
         if isinstance(body, bytes) and len(body) <= conn.frame_max - 8:
-            parts = [
-                METHOD_HDR.pack(1, ch, msize, 60, 60),
-                ctag,
-                U64_U8.pack(tag, msg.redelivered),
-                route,
-                FRAME_END_BYTE,
+            # One header frame and at most one body frame: the common case, inline.
+            parts += (
                 CONTENT_HDR.pack(2, ch, 12 + len(props), 60, 0, msg.body_size),
                 props,
                 FRAME_END_BYTE,
-            ]
+            )
             if body:
                 parts += (FRAME_HDR.pack(3, ch, len(body)), body, FRAME_END_BYTE)
         else:
-            parts = [
-                METHOD_HDR.pack(1, ch, msize, 60, 60),
-                ctag,
-                U64_U8.pack(tag, msg.redelivered),
-                route,
-                FRAME_END_BYTE,
-            ]
             parts += frames.content_frames(ch, props, body, msg.body_size, conn.frame_max)
         if self.held:
             self.held.append([True, b"".join(parts)])
