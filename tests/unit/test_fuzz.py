@@ -45,9 +45,6 @@ class FakeHub:
     def __init__(self) -> None:
         self.reply_to: dict = {}
 
-    def connection_closed(self, conn: Connection) -> None:
-        pass
-
 
 def handshake() -> bytes:
     return b"".join(

@@ -165,11 +165,6 @@ class Node:
             del self.broker.users.permissions[key]
         return ok
 
-    # -- Hub port --
-
-    def connection_closed(self, conn: conn_mod.Connection) -> None:
-        pass
-
     # -- alarms --
 
     def set_alarm(self, name: str, reason: str | None) -> None:

@@ -99,24 +99,25 @@ def encode_route(exchange: str, routing_key: str) -> bytes:
     return encode_shortstr(exchange) + encode_shortstr(routing_key)
 
 
-def scan(msg: Message) -> None:
-    """Read delivery-mode, priority and expiration from the raw properties into `msg`.
+def scan(msg: Message) -> int:
+    """Read delivery-mode, priority and expiration from the raw properties into `msg`, and
+    return the property flag word (callers test other flags without reading it again).
 
     Raises ValueError on a truncated or malformed property list.
     """
     try:
-        _scan(msg)
+        return _scan(msg)
     except (IndexError, struct.error):
         raise ValueError("truncated content properties") from None
 
 
-def _scan(msg: Message) -> None:
+def _scan(msg: Message) -> int:
     props = msg.props
     if len(props) < 2:
         raise ValueError("content header without property flags")
-    flags = _U16.unpack_from(props, 0)[0]
+    flags: int = _U16.unpack_from(props, 0)[0]
     if not flags & (F_DELIVERY_MODE | F_PRIORITY | F_EXPIRATION):
-        return
+        return flags
     pos = 2
     if flags & 1:  # a continuation flag word: no basic property uses one
         raise ValueError("unexpected property flag continuation")
@@ -150,6 +151,7 @@ def _scan(msg: Message) -> None:
         msg.expiration = ttl
     if pos > len(props):
         raise ValueError("truncated content properties")
+    return flags
 
 
 def decode_properties(props: bytes) -> commands.Basic.Properties:
@@ -166,10 +168,6 @@ def decode_properties(props: bytes) -> commands.Basic.Properties:
 
 def encode_properties(p: commands.Basic.Properties) -> bytes:
     return p.marshal()
-
-
-def has_user_id(props: bytes) -> bool:
-    return len(props) >= 2 and bool(_U16.unpack_from(props, 0)[0] & F_USER_ID)
 
 
 def headers_of(msg: Message) -> dict[str, Any]:

@@ -87,8 +87,6 @@ class Hub(Protocol):
     blocked_reason: str | None
     reply_to: dict[str, Consumer]
 
-    def connection_closed(self, conn: Connection) -> None: ...
-
 
 # -- consumers -------------------------------------------------------------------------
 
@@ -541,7 +539,6 @@ class Connection:
         self.exclusive_queues.clear()
         if self.state != "closing":
             self.state = "closed"
-        self.hub.connection_closed(self)
 
     def lost(self) -> None:
         """The socket closed."""
@@ -1226,13 +1223,13 @@ class Connection:
         msg = Message(ex.name, ch.pub_rk, ch.pub_route, ch.pub_props, body, ch.pub_size)
         ch.pub_props = None
         try:
-            message_mod.scan(msg)
+            flags = message_mod.scan(msg)
         except ValueError as exc:
             self._error(
                 ch.number, errors.PreconditionFailed(f"invalid content properties: {exc}", 60, 40)
             )
             return
-        if message_mod.has_user_id(msg.props):
+        if flags & message_mod.F_USER_ID:
             try:
                 user_id = message_mod.decode_properties(msg.props).user_id
             except ValueError as exc:
