@@ -11,7 +11,8 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from pathlib import Path
+from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 from tandem import errors
@@ -21,25 +22,26 @@ def _broker(args: argparse.Namespace) -> int:
     from tandem.broker import config as config_mod
     from tandem.broker.node import Node
 
+    overrides = {
+        "amqp_port": args.amqp_port,
+        "admin_port": args.admin_port,
+        "data_dir": args.data_dir,
+        "node_id": args.node_id,
+        "host": args.host,
+    }
     try:
-        cfg = config_mod.load(args.config) if args.config else config_mod.Config()
+        cfg = config_mod.load(args.config, overrides)
     except errors.ConfigError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
-    if args.amqp_port is not None:
-        cfg.amqp_port = args.amqp_port
-    if args.admin_port is not None:
-        cfg.admin_port = args.admin_port
-    if args.data_dir is not None:
-        cfg.data_dir = Path(args.data_dir)
-    if args.node_id is not None:
-        cfg.node_id = args.node_id
-    if args.host is not None:
-        cfg.host = args.host
     if cfg.data_dir is not None:
-        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"tandem: cannot create data dir {cfg.data_dir}: {exc.strerror}", file=sys.stderr)
+            return 1
     logging.basicConfig(
-        level=getattr(logging, cfg.log_level.upper(), logging.INFO),
+        level=cfg.log_level,
         format=f"%(asctime)s %(levelname)s [{cfg.node_id}] %(name)s: %(message)s",
     )
     try:
@@ -53,88 +55,196 @@ def _broker(args: argparse.Namespace) -> int:
     except errors.ConfigError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
+    except errors.TandemError as exc:
+        print(f"tandem: cannot start: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"tandem: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-CTL_VERBS: dict[str, tuple[str, str, list[str]]] = {
-    # verb: (method, path template, argument names)
-    "status": ("GET", "/status", []),
-    "list_users": ("GET", "/api/users", []),
-    "add_user": ("PUT", "/api/users/{name}", ["name", "password"]),
-    "delete_user": ("DELETE", "/api/users/{name}", ["name"]),
-    "list_vhosts": ("GET", "/api/vhosts", []),
-    "add_vhost": ("PUT", "/api/vhosts/{name}", ["name"]),
-    "delete_vhost": ("DELETE", "/api/vhosts/{name}", ["name"]),
-    "list_permissions": ("GET", "/api/permissions", []),
-    "set_permissions": (
+@dataclass(frozen=True, slots=True)
+class Verb:
+    """A `tandem ctl` verb: its admin API call, its arguments, and how its answer prints."""
+
+    method: str
+    path: str
+    args: tuple[str, ...] = ()
+    done: str = ""  # what a successful change prints
+    columns: tuple[str, ...] = ()  # a listing prints these fields as a table
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+CTL_VERBS: dict[str, Verb] = {
+    # rabbitmqctl's verbs, on the admin API.
+    "status": Verb("GET", "/status"),
+    "list_users": Verb("GET", "/api/users", columns=("name", "tags")),
+    "add_user": Verb(
+        "PUT",
+        "/api/users/{name}",
+        ("name", "password"),
+        "added user {name}",
+        headers=(("If-None-Match", "*"),),
+    ),
+    "change_password": Verb(
+        "PUT",
+        "/api/users/{name}",
+        ("name", "password"),
+        "changed the password of user {name}",
+        headers=(("If-Match", "*"),),
+    ),
+    "delete_user": Verb("DELETE", "/api/users/{name}", ("name",), "deleted user {name}"),
+    "list_vhosts": Verb("GET", "/api/vhosts", columns=("name",)),
+    "add_vhost": Verb("PUT", "/api/vhosts/{name}", ("name",), "added vhost {name}"),
+    "delete_vhost": Verb("DELETE", "/api/vhosts/{name}", ("name",), "deleted vhost {name}"),
+    "list_permissions": Verb(
+        "GET", "/api/permissions", columns=("user", "vhost", "configure", "write", "read")
+    ),
+    "set_permissions": Verb(
         "PUT",
         "/api/permissions/{vhost}/{user}",
-        ["user", "configure", "write", "read"],
+        ("user", "configure", "write", "read"),
+        "set permissions of user {user} in vhost {vhost}",
     ),
-    "clear_permissions": ("DELETE", "/api/permissions/{vhost}/{user}", ["user"]),
-    "list_queues": ("GET", "/api/queues", []),
-    "export_definitions": ("GET", "/api/definitions", []),
+    "clear_permissions": Verb(
+        "DELETE",
+        "/api/permissions/{vhost}/{user}",
+        ("user",),
+        "cleared permissions of user {user} in vhost {vhost}",
+    ),
+    "list_queues": Verb(
+        "GET", "/api/queues", columns=("vhost", "name", "depth", "consumers", "replicate")
+    ),
+    "export_definitions": Verb("GET", "/api/definitions"),
 }
+STATUS_FIELDS = ("node", "role", "epoch", "position", "primary", "connections", "alarms")
+
+
+def _table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+    """Tab-separated like rabbitmqctl's listings: a header line, then one line a row."""
+
+    def cell(value: Any) -> str:
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    lines = ["\t".join(columns)]
+    lines += ["\t".join(cell(row.get(c, "")) for c in columns) for row in rows]
+    return "\n".join(lines)
 
 
 def _ctl(args: argparse.Namespace) -> int:
-    method, template, names = CTL_VERBS[args.verb]
-    if len(args.args) != len(names):
-        print(
-            f"tandem ctl {args.verb} takes: {' '.join(n.upper() for n in names) or 'nothing'}",
-            file=sys.stderr,
-        )
+    verb = CTL_VERBS[args.verb]
+    if len(args.args) != len(verb.args):
+        usage = " ".join(n.upper() for n in verb.args) or "nothing"
+        print(f"tandem ctl {args.verb} takes: {usage}", file=sys.stderr)
         return 2
-    values = dict(zip(names, args.args, strict=True))
+    values = dict(zip(verb.args, args.args, strict=True))
     values["vhost"] = args.vhost
-    path = template.format(**{k: urllib.parse.quote(v, safe="") for k, v in values.items()})
+    path = verb.path.format(**{k: urllib.parse.quote(v, safe="") for k, v in values.items()})
     body: dict[str, Any] | None = None
     if args.verb == "add_user":
         body = {"password": values["password"], "tags": args.tags.split(",") if args.tags else []}
+    elif args.verb == "change_password":
+        body = {"password": values["password"]}
     elif args.verb == "set_permissions":
         body = {k: values[k] for k in ("configure", "write", "read")}
     req = urllib.request.Request(
         args.url.rstrip("/") + path,
-        method=method,
+        method=verb.method,
         data=json.dumps(body).encode() if body is not None else None,
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **dict(verb.headers)},
     )
     token = args.token or os.environ.get("TANDEM_ADMIN_TOKEN")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
-            print(json.dumps(json.loads(resp.read() or b"null"), indent=2))
-            return 0
+            answer = json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as exc:
-        print(f"tandem ctl: {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
+        print(f"tandem ctl: {_http_error(exc, args.verb, values)}", file=sys.stderr)
         return 1
     except urllib.error.URLError as exc:
         print(f"tandem ctl: cannot reach {args.url}: {exc.reason}", file=sys.stderr)
         return 1
+    if args.format == "json" or args.verb == "export_definitions":
+        print(json.dumps(answer, indent=2))
+    elif verb.columns:
+        print(_table(answer, verb.columns))
+    elif args.verb == "status":
+        print("\n".join(f"{k}: {answer.get(k)}" for k in STATUS_FIELDS))
+        print(_table(answer.get("queues", []), CTL_VERBS["list_queues"].columns))
+    else:
+        print(verb.done.format(**values))
+    return 0
+
+
+def _http_error(exc: urllib.error.HTTPError, verb: str, values: dict[str, str]) -> str:
+    raw = exc.read().decode(errors="replace")
+    try:
+        text = str(json.loads(raw)["error"])
+    except (ValueError, KeyError, TypeError):
+        text = raw.strip() or exc.reason
+    if exc.code == 401 and not os.environ.get("TANDEM_ADMIN_TOKEN"):
+        text += " (give it with --token or TANDEM_ADMIN_TOKEN)"
+    if exc.code == 409 and verb == "add_user":
+        text += "; `tandem ctl change_password` sets a new password"
+    return f"{exc.code}: {text}"
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0 to 65535; 0 picks a free one)")
+    return value
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tandem")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "unknown"
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    p.add_argument("--version", action="version", version=f"tandem {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("broker", help="run one broker node in the foreground")
-    b.add_argument("--amqp-port", type=int, help="AMQP port (0 picks a free one)")
-    b.add_argument("--admin-port", type=int, help="admin HTTP port (0 picks a free one)")
-    b.add_argument("--data-dir", help="where the log and definitions live (none: memory only)")
-    b.add_argument("--node-id", help="this node's name")
-    b.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    b.add_argument("--config", help="YAML configuration file")
+    b = sub.add_parser(
+        "broker",
+        help="run one broker node in the foreground",
+        description="Run one broker node in the foreground. Options override the config file.",
+    )
+    b.add_argument("--amqp-port", type=_port, help="AMQP port (default 5672; 0 picks a free one)")
+    b.add_argument(
+        "--admin-port", type=_port, help="admin HTTP port (default 15672; 0 picks a free one)"
+    )
+    b.add_argument(
+        "--data-dir", help="where the log and definitions live (default: none, memory only)"
+    )
+    b.add_argument("--node-id", help="this node's name (default tandem-1)")
+    b.add_argument("--host", help="address the AMQP listeners bind (default 127.0.0.1)")
+    b.add_argument("--config", help="YAML configuration file (docs/configuration.md)")
     b.set_defaults(func=_broker)
-    c = sub.add_parser("ctl", help="manage a running node (users, vhosts, permissions)")
+    c = sub.add_parser(
+        "ctl",
+        help="manage a running node (users, vhosts, permissions)",
+        description="Manage a running node with rabbitmqctl's verbs, through its admin API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     c.add_argument("verb", choices=sorted(CTL_VERBS))
     c.add_argument("args", nargs="*")
-    c.add_argument("--url", default="http://127.0.0.1:15672", help="the node's admin URL")
+    c.add_argument(
+        "--url",
+        default=os.environ.get("TANDEM_ADMIN_URL", "http://127.0.0.1:15672"),
+        help="the node's admin URL (or TANDEM_ADMIN_URL)",
+    )
     c.add_argument("--token", help="admin token (or TANDEM_ADMIN_TOKEN)")
     c.add_argument("-p", "--vhost", default="/", help="vhost for permissions")
-    c.add_argument("--tags", default="", help="comma-separated user tags for add_user")
+    c.add_argument("--tags", help="comma-separated user tags for add_user")
+    c.add_argument("--format", choices=("table", "json"), default="table", help="how answers print")
     c.set_defaults(func=_ctl)
     return p
 

@@ -98,3 +98,7 @@ class StoreError(TandemError):
 
 class ConfigError(TandemError):
     """The configuration is invalid; the message says where."""
+
+
+class StartError(TandemError):
+    """The node cannot start (a port in use, a data dir held by another node)."""

@@ -23,8 +23,8 @@ CONFIG = {
         {"name": "app", "password": "apppw"},
     ],
     "permissions": [
-        {"user": "admin", "vhost": "/"},
-        {"user": "admin", "vhost": "prod"},
+        {"user": "admin", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"},
+        {"user": "admin", "vhost": "prod", "configure": ".*", "write": ".*", "read": ".*"},
         {
             "user": "app",
             "vhost": "prod",
@@ -231,7 +231,7 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
         timeout=30,
     )
     assert r.returncode == 2
-    assert "'amqp_port' must be int" in r.stderr
+    assert "amqp_port: must be a valid integer (got 'five')" in r.stderr
     cfg.write_text("nonsense_key: 1\n")
     r = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "broker", "--config", str(cfg)],

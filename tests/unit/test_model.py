@@ -6,7 +6,6 @@ import pytest
 from pamqp import commands
 
 from tandem import errors
-from tandem.broker import config
 from tandem.broker.model import auth, message
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.exchange import HeadersExchange, topic_match
@@ -154,15 +153,6 @@ def test_error_classes_and_codes() -> None:
     assert errors.NotFound.code == 404
     assert errors.FrameError("x").hard
     assert errors.FrameError("x").reply_text() == "FRAME_ERROR - x"
-
-
-def test_config_parse_errors_say_where() -> None:
-    with pytest.raises(errors.ConfigError, match="users\\[0\\]: user 'a' needs"):
-        config.parse({"users": [{"name": "a"}]})
-    with pytest.raises(errors.ConfigError, match="'heartbeat' must be int"):
-        config.parse({"heartbeat": True})
-    cfg = config.parse({"heartbeat": 5, "vhosts": ["/", "x"]})
-    assert (cfg.heartbeat, cfg.vhosts) == (5, ["/", "x"])
 
 
 def test_scan_refuses_truncated_properties() -> None:

@@ -7,15 +7,17 @@ configured.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ValidationError
 
-from tandem.broker.model import definitions
+from tandem.broker.model import definitions, spec
 from tandem.broker.model.auth import Permission
 
 if TYPE_CHECKING:
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from tandem.broker.store.log import Store
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 FSYNC_SECONDS = Histogram(
     "tandem_fsync_seconds",
@@ -93,6 +96,11 @@ def _json_error(status: int, text: str) -> web.Response:
     return web.json_response({"error": text}, status=status)
 
 
+def _bad_request(text: str) -> web.HTTPBadRequest:
+    """A 400 with the same JSON body as `_json_error`, for helpers to raise."""
+    return web.HTTPBadRequest(text=json.dumps({"error": text}), content_type="application/json")
+
+
 def make_app(node: Node) -> web.Application:
     registry = CollectorRegistry()
     registry.register(NodeCollector(node))
@@ -105,7 +113,11 @@ def make_app(node: Node) -> web.Application:
         if token and request.path not in ("/health", "/metrics"):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return _json_error(401, "a valid bearer token is required")
+                return _json_error(
+                    401,
+                    "a valid bearer token is required: send 'Authorization: Bearer <token>' "
+                    "(tandem ctl: --token or TANDEM_ADMIN_TOKEN)",
+                )
         return await handler(request)
 
     async def health(request: web.Request) -> web.Response:
@@ -129,22 +141,29 @@ def make_app(node: Node) -> web.Application:
         return web.json_response([{"name": u.name, "tags": u.tags} for u in users])
 
     async def put_user(request: web.Request) -> web.Response:
+        """Create or update, as RabbitMQ's HTTP API does. `If-None-Match: *` only creates
+        (409 when the user exists: `tandem ctl add_user`); `If-Match: *` only updates (404
+        when it does not: `change_password`). An update without `tags` keeps the user's."""
         name = request.match_info["name"]
         body = await _body(request)
-        password = body.get("password")
-        password_hash = body.get("password_hash")
-        if not isinstance(password, str) and not isinstance(password_hash, str):
-            return _json_error(400, "give 'password' or 'password_hash'")
+        existing = node.broker.users.users.get(name)
+        if existing is not None and request.headers.get("If-None-Match") == "*":
+            return _json_error(409, f"user '{name}' already exists")
+        if existing is None and request.headers.get("If-Match") == "*":
+            return _json_error(404, f"no user '{name}'")
+        if existing is not None and "tags" not in body:
+            body["tags"] = existing.tags
+        user = _valid(spec.RabbitUser, {**body, "name": name})
         node.broker.users.add(
             name,
-            password=password if isinstance(password, str) else None,
-            password_hash=password_hash if isinstance(password_hash, str) else None,
-            tags=list(body.get("tags") or []),
+            password=user.password,
+            password_hash=user.password_hash,
+            tags=user.tags,
             loopback_only=name == "guest" and not node.cfg.guest_remote,
         )
         node.save_auth()
-        log.info("user '%s' set through the admin API", name)
-        return web.json_response({"name": name}, status=201)
+        log.info("user '%s' %s through the admin API", name, "changed" if existing else "added")
+        return web.json_response({"name": name}, status=200 if existing else 201)
 
     async def delete_user(request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -157,7 +176,9 @@ def make_app(node: Node) -> web.Application:
         return web.json_response([{"name": n} for n in sorted(node.broker.vhosts)])
 
     async def put_vhost(request: web.Request) -> web.Response:
-        name = request.match_info["name"]
+        name = _valid(
+            spec.RabbitVhost, {**await _body(request, empty=True), **request.match_info}
+        ).name
         node.broker.add_vhost(name)
         node.save_auth()
         return web.json_response({"name": name}, status=201)
@@ -185,10 +206,8 @@ def make_app(node: Node) -> web.Application:
         if user not in node.broker.users.users:
             return _json_error(404, f"no user '{user}'")
         body = await _body(request)
-        perm = Permission(
-            str(body.get("configure", "")), str(body.get("write", "")), str(body.get("read", ""))
-        )
-        node.broker.users.set_permission(user, vhost, perm)
+        p = _valid(spec.RabbitPermission, {**body, "user": user, "vhost": vhost})
+        node.broker.users.set_permission(user, vhost, Permission(p.configure, p.write, p.read))
         node.save_auth()
         return web.json_response({"user": user, "vhost": vhost}, status=201)
 
@@ -228,14 +247,24 @@ def make_app(node: Node) -> web.Application:
     return app
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
+async def _body(request: web.Request, empty: bool = False) -> dict[str, Any]:
+    """The request's JSON object; `empty` lets a PUT without a body stand for `{}`."""
+    if empty and not await request.read():
+        return {}
     try:
         body = await request.json()
     except ValueError:
-        raise web.HTTPBadRequest(text="the body must be JSON") from None
+        raise _bad_request("the body must be JSON") from None
     if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="the body must be a JSON object")
+        raise _bad_request("the body must be a JSON object")
     return body
+
+
+def _valid(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _bad_request(spec.describe(exc)) from None
 
 
 async def start(node: Node, host: str, port: int) -> tuple[web.AppRunner, int]:

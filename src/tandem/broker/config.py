@@ -1,149 +1,141 @@
-"""Node configuration: defaults, the YAML file, and command-line overrides."""
+"""Node configuration: one typed model of every setting, read from YAML and the command line.
+
+The model checks each field's type and range and every cross-field rule (TLS needs a
+certificate and its key), and its errors name the field. Paths written in a config file are
+relative to that file; paths given on the command line are relative to the working directory.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
+from tandem.broker.model import spec
+from tandem.broker.model.spec import Name, PermissionSpec, UserSpec
 from tandem.errors import ConfigError
 
+Port = Annotated[StrictInt, Field(ge=0, le=65535)]
+Bytes = Annotated[StrictInt, Field(ge=0)]
+LogLevel = Annotated[
+    Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+    BeforeValidator(lambda v: v.upper() if isinstance(v, str) else v),
+]
+# A path is written as a string; pydantic's lax mode would also take other things.
+PathSetting = Annotated[Path, BeforeValidator(lambda v: _path(v))]
 
-@dataclass(slots=True)
-class UserSpec:
-    name: str
-    password: str | None = None
-    password_hash: str | None = None
-    tags: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class PermissionSpec:
-    user: str
-    vhost: str = "/"
-    configure: str = ".*"
-    write: str = ".*"
-    read: str = ".*"
+TLS_PORT = 5671
+PATH_SETTINGS = ("data_dir", "definitions", "tls_certfile", "tls_keyfile", "tls_cafile")
 
 
-@dataclass(slots=True)
-class Config:
-    node_id: str = "tandem-1"
-    host: str = "127.0.0.1"
-    amqp_port: int = 5672
-    admin_host: str = "127.0.0.1"
-    admin_port: int = 15672
-    admin_token: str | None = None
-    data_dir: Path | None = None
-    tls_port: int | None = None
-    tls_certfile: str | None = None
-    tls_keyfile: str | None = None
-    tls_cafile: str | None = None
-    tls_verify_peer: bool = False
-    frame_max: int = 131072
-    channel_max: int = 2047
-    heartbeat: int = 60
-    max_message_size: int = 128 * 1024 * 1024
-    max_connections: int = 10000
-    memory_high_watermark: int = 0  # bytes of RSS; 0 = 40% of the machine's memory
-    disk_free_limit: int = 50 * 1024 * 1024
-    fsync: bool = True
-    segment_bytes: int = 64 * 1024 * 1024
-    guest_remote: bool = False  # let guest log in from other hosts than loopback
-    users: list[UserSpec] = field(default_factory=list)
-    vhosts: list[str] = field(default_factory=lambda: ["/"])
-    permissions: list[PermissionSpec] = field(default_factory=list)
-    log_level: str = "INFO"
-    definitions: str | None = None  # a RabbitMQ definitions export to load at start
+def _path(value: Any) -> Any:
+    if isinstance(value, Path):
+        return value
+    if not isinstance(value, str) or not value:
+        raise ValueError("must be a path (a non-empty string)")
+    return Path(value)
 
 
-_SCALARS = {
-    "node_id": str,
-    "host": str,
-    "amqp_port": int,
-    "admin_host": str,
-    "admin_port": int,
-    "admin_token": str,
-    "tls_port": int,
-    "tls_certfile": str,
-    "tls_keyfile": str,
-    "tls_cafile": str,
-    "tls_verify_peer": bool,
-    "frame_max": int,
-    "channel_max": int,
-    "heartbeat": int,
-    "max_message_size": int,
-    "max_connections": int,
-    "memory_high_watermark": int,
-    "disk_free_limit": int,
-    "fsync": bool,
-    "segment_bytes": int,
-    "guest_remote": bool,
-    "log_level": str,
-    "definitions": str,
-}
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node_id: Name = "tandem-1"
+    host: Name = "127.0.0.1"
+    amqp_port: Port = 5672
+    admin_host: Name = "127.0.0.1"
+    admin_port: Port = 15672
+    admin_token: Annotated[StrictStr, Field(min_length=1)] | None = None
+    data_dir: PathSetting | None = None
+    tls_port: Port | None = None
+    tls_certfile: PathSetting | None = None
+    tls_keyfile: PathSetting | None = None
+    tls_cafile: PathSetting | None = None
+    tls_verify_peer: StrictBool = False
+    frame_max: Annotated[StrictInt, Field(ge=4096, le=2**31 - 1)] = 131072
+    channel_max: Annotated[StrictInt, Field(ge=1, le=65535)] = 2047
+    heartbeat: Annotated[StrictInt, Field(ge=0, le=65535)] = 60
+    max_message_size: Annotated[StrictInt, Field(ge=1, le=512 * 1024 * 1024)] = 128 * 1024 * 1024
+    max_connections: Annotated[StrictInt, Field(ge=1)] = 10000
+    memory_high_watermark: Bytes = 0  # bytes of RSS; 0 = 40% of the machine's memory
+    disk_free_limit: Bytes = 50 * 1024 * 1024
+    fsync: StrictBool = True
+    segment_bytes: Annotated[StrictInt, Field(ge=4096)] = 64 * 1024 * 1024
+    guest_remote: StrictBool = False  # let guest log in from other hosts than loopback
+    users: list[UserSpec] = []
+    vhosts: list[Name] = ["/"]
+    permissions: list[PermissionSpec] = []
+    log_level: LogLevel = "INFO"
+    definitions: PathSetting | None = None  # a RabbitMQ definitions export to load at start
+
+    @model_validator(mode="after")
+    def _tls(self) -> Config:
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            given, missing = (
+                ("tls_certfile", "tls_keyfile")
+                if self.tls_keyfile is None
+                else ("tls_keyfile", "tls_certfile")
+            )
+            raise ValueError(f"'{given}' is set but '{missing}' is not: TLS needs both")
+        if self.tls_certfile is None:
+            for name in ("tls_port", "tls_cafile"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"'{name}' needs 'tls_certfile' and 'tls_keyfile'")
+            if self.tls_verify_peer:
+                raise ValueError("'tls_verify_peer' needs 'tls_certfile' and 'tls_keyfile'")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_certfile is not None
+
+    @property
+    def amqps_port(self) -> int:
+        return TLS_PORT if self.tls_port is None else self.tls_port
 
 
-def parse(raw: dict[str, Any], source: str = "config") -> Config:
-    """Build a Config from a mapping (the parsed YAML), with errors that say where."""
+def parse(raw: Any, source: str = "config", overrides: dict[str, Any] | None = None) -> Config:
+    """Validate a mapping (the parsed YAML) with command-line overrides on top."""
+    if raw is None:
+        raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping")
-    cfg = Config()
-    for key, value in raw.items():
-        if key in _SCALARS:
-            kind = _SCALARS[key]
-            if (value is not None and not isinstance(value, kind)) or (
-                kind is int and isinstance(value, bool)
-            ):
-                raise ConfigError(f"{source}: '{key}' must be {kind.__name__}, got {value!r}")
-            setattr(cfg, key, value)
-        elif key == "data_dir":
-            cfg.data_dir = Path(value) if value else None
-        elif key == "vhosts":
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ConfigError(f"{source}: 'vhosts' must be a list of names")
-            cfg.vhosts = list(value)
-        elif key == "users":
-            cfg.users = [_user(u, f"{source}: users[{i}]") for i, u in enumerate(value or [])]
-        elif key == "permissions":
-            cfg.permissions = [
-                _perm(p, f"{source}: permissions[{i}]") for i, p in enumerate(value or [])
-            ]
-        else:
-            raise ConfigError(f"{source}: unknown setting '{key}'")
-    return cfg
+        raise ConfigError(f"{source}: the top level must be a mapping of settings")
+    data = {**raw, **{k: v for k, v in (overrides or {}).items() if v is not None}}
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(spec.describe(exc, source)) from None
 
 
-def _user(raw: Any, where: str) -> UserSpec:
-    if not isinstance(raw, dict) or "name" not in raw:
-        raise ConfigError(f"{where}: a user needs a 'name'")
-    if "password" not in raw and "password_hash" not in raw:
-        raise ConfigError(f"{where}: user '{raw['name']}' needs 'password' or 'password_hash'")
-    unknown = set(raw) - {"name", "password", "password_hash", "tags"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-    return UserSpec(
-        str(raw["name"]), raw.get("password"), raw.get("password_hash"), list(raw.get("tags") or [])
-    )
-
-
-def _perm(raw: Any, where: str) -> PermissionSpec:
-    if not isinstance(raw, dict) or "user" not in raw:
-        raise ConfigError(f"{where}: a permission needs a 'user'")
-    unknown = set(raw) - {"user", "vhost", "configure", "write", "read"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-    return PermissionSpec(**{k: str(v) for k, v in raw.items()})
-
-
-def load(path: str | Path) -> Config:
+def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read a YAML config file (or none) and apply command-line overrides."""
+    if path is None:
+        return parse({}, "command line", overrides)
     p = Path(path)
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.safe_load(p.read_text())
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {p}: {exc}") from exc
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from exc
-    return parse(raw, str(p))
+        where = " ".join(str(exc).split())
+        raise ConfigError(f"config file {p} is not valid YAML: {where}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {p} is not UTF-8 text") from None
+    if isinstance(raw, dict):
+        base = p.resolve().parent
+        for key in PATH_SETTINGS:
+            value = raw.get(key)
+            if isinstance(value, str) and value and not Path(value).is_absolute():
+                raw[key] = str(base / value)
+    return parse(raw, str(p), overrides)

@@ -11,8 +11,9 @@ import resource
 import shutil
 import signal
 import ssl
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tandem import errors
 from tandem.broker import admin, server
@@ -21,9 +22,11 @@ from tandem.broker.model import definitions
 from tandem.broker.model.auth import Permission
 from tandem.broker.model.broker import Broker
 from tandem.broker.protocol import connection as conn_mod
+from tandem.broker.store.lock import DataDirLock
 from tandem.broker.store.log import Store
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SWEEP_SECONDS = 1.0
 ALARM_SECONDS = 1.0
@@ -55,6 +58,17 @@ def _raise_fd_limit(wanted: int) -> int:
     return soft
 
 
+async def _listen(what: str, option: str, host: str, port: int, start: Awaitable[T]) -> T:
+    """Await a listener's start; a port that cannot be bound is an error naming its option."""
+    try:
+        return await start
+    except OSError as exc:
+        hint = f"choose another with {option}, or 0 for a free one"
+        raise errors.StartError(
+            f"cannot listen for {what} on {host}:{port}: {exc.strerror or exc}; {hint}"
+        ) from None
+
+
 def _write_atomically(path: Path, text: str) -> None:
     """Readers see the old file or the new one, never a half-written one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -68,7 +82,10 @@ class Node:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.store: Store | None = None
+        self.lock: DataDirLock | None = None
         if cfg.data_dir is not None:
+            self.lock = DataDirLock(cfg.data_dir)
+            self.lock.acquire(cfg.node_id)
             self.store = Store(cfg.data_dir, fsync=cfg.fsync, segment_bytes=cfg.segment_bytes)
         self.broker = Broker(self.store)
         self.limits = conn_mod.Limits(
@@ -115,25 +132,31 @@ class Node:
                 tags=u.tags,
                 loopback_only=u.name == "guest" and not cfg.guest_remote,
             )
-        for p in cfg.permissions:
+        for i, p in enumerate(cfg.permissions):
             if p.user not in users.users:
-                raise errors.ConfigError(f"permissions: unknown user '{p.user}'")
+                raise errors.ConfigError(f"permissions[{i}]: unknown user '{p.user}'")
             self.broker.add_vhost(p.vhost)
             users.set_permission(p.user, p.vhost, Permission(p.configure, p.write, p.read))
         if self.definitions is not None:
             definitions.apply_auth(self.broker, self.definitions, cfg.guest_remote)
         if self._auth_file is not None and self._auth_file.exists():
-            self._load_auth(json.loads(self._auth_file.read_text()))
+            try:
+                data = json.loads(self._auth_file.read_text())
+            except (OSError, ValueError) as exc:
+                raise errors.ConfigError(f"cannot read {self._auth_file}: {exc}") from None
+            self._load_auth(definitions.validate(data, str(self._auth_file)))
 
     def _read_definitions(self) -> dict[str, Any] | None:
         path = self.cfg.definitions
         if not path:
             return None
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise errors.ConfigError(f"cannot read definitions {path}: {exc}") from exc
-        data = definitions.validate(data, path)
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise errors.ConfigError(f"cannot read definitions {path}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise errors.ConfigError(f"definitions {path} are not valid JSON: {exc}") from None
+        data = definitions.validate(data, str(path))
         for key in definitions.UNSUPPORTED:
             if data.get(key):
                 log.warning(
@@ -238,15 +261,22 @@ class Node:
 
     def _tls_context(self) -> ssl.SSLContext | None:
         cfg = self.cfg
-        if not (cfg.tls_certfile and cfg.tls_keyfile):
+        if cfg.tls_certfile is None or cfg.tls_keyfile is None:
             return None
+        for name in ("tls_certfile", "tls_keyfile", "tls_cafile"):
+            path = getattr(cfg, name)
+            if path is not None and not os.access(path, os.R_OK):
+                raise errors.ConfigError(f"{name}: cannot read {path}")
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         try:
             ctx.load_cert_chain(cfg.tls_certfile, cfg.tls_keyfile)
             if cfg.tls_cafile:
                 ctx.load_verify_locations(cfg.tls_cafile)
         except (OSError, ssl.SSLError) as exc:
-            raise errors.ConfigError(f"cannot load the TLS certificate or key: {exc}") from exc
+            raise errors.ConfigError(
+                f"cannot load the TLS certificate {cfg.tls_certfile} with key "
+                f"{cfg.tls_keyfile}: {exc}"
+            ) from None
         if cfg.tls_verify_peer:
             ctx.verify_mode = ssl.CERT_REQUIRED
         return ctx
@@ -280,31 +310,49 @@ class Node:
                 cfg.max_connections,
             )
         tls = self._tls_context()
-        amqp = await server.serve(
-            self.broker,
-            self,
-            self.limits,
+        amqp = await _listen(
+            "AMQP",
+            "--amqp-port (or amqp_port)",
             cfg.host,
             cfg.amqp_port,
-            self.connections,
-            cfg.max_connections,
-        )
-        self.amqp_port = amqp.sockets[0].getsockname()[1]
-        servers = [amqp]
-        if tls is not None:
-            amqps = await server.serve(
+            server.serve(
                 self.broker,
                 self,
                 self.limits,
                 cfg.host,
-                cfg.tls_port or 0,
+                cfg.amqp_port,
                 self.connections,
                 cfg.max_connections,
-                ssl=tls,
+            ),
+        )
+        self.amqp_port = amqp.sockets[0].getsockname()[1]
+        servers = [amqp]
+        if tls is not None:
+            amqps = await _listen(
+                "AMQPS",
+                "tls_port",
+                cfg.host,
+                cfg.amqps_port,
+                server.serve(
+                    self.broker,
+                    self,
+                    self.limits,
+                    cfg.host,
+                    cfg.amqps_port,
+                    self.connections,
+                    cfg.max_connections,
+                    ssl=tls,
+                ),
             )
             self.tls_port = amqps.sockets[0].getsockname()[1]
             servers.append(amqps)
-        runner, self.admin_port = await admin.start(self, cfg.admin_host, cfg.admin_port)
+        runner, self.admin_port = await _listen(
+            "the admin API",
+            "--admin-port (or admin_port)",
+            cfg.admin_host,
+            cfg.admin_port,
+            admin.start(self, cfg.admin_host, cfg.admin_port),
+        )
         self._announce()
         self.ready = True
         try:
@@ -325,6 +373,8 @@ class Node:
             await runner.cleanup()
             if self.store is not None:
                 self.store.close()
+            if self.lock is not None:
+                self.lock.release()
 
     async def _drain_store(self) -> None:
         if self.store is None:
@@ -358,4 +408,4 @@ class Node:
         print(line, flush=True)
         log.info("%s", line)
         if self.cfg.data_dir is not None:
-            _write_atomically(Path(self.cfg.data_dir) / "ports.json", json.dumps(ports))
+            _write_atomically(self.cfg.data_dir / "ports.json", json.dumps(ports))

@@ -11,74 +11,71 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
+from tandem.broker.model import spec
 from tandem.broker.model.auth import Permission
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.queue import Queue
 from tandem.errors import ConfigError
 
-HASHING = "rabbit_password_hashing_sha256"
+HASHING = spec.HASHING
 UNSUPPORTED = ("policies", "parameters", "global_parameters", "topic_permissions")
 
 
 def validate(data: Any, source: str) -> dict[str, Any]:
-    """Check the shape of a definitions document; errors name the source and the entry."""
+    """Check a definitions document; errors name the source and the entry. Users and
+    permissions go through the same specs as every other entry point."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: definitions must be a JSON object")
     for key in ("users", "vhosts", "permissions", "exchanges", "queues", "bindings"):
         items = data.get(key, [])
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise ConfigError(f"{source}: '{key}' must be a list of objects")
-    for i, u in enumerate(data.get("users", [])):
-        if "name" not in u or not ("password_hash" in u or "password" in u):
-            raise ConfigError(f"{source}: users[{i}] needs 'name' and 'password_hash'")
-        algorithm = u.get("hashing_algorithm", HASHING)
-        if "password_hash" in u and algorithm != HASHING:
-            raise ConfigError(
-                f"{source}: users[{i}] ('{u['name']}') uses {algorithm}; Tandem reads "
-                f"{HASHING} hashes only (set a new password for this user)"
-            )
+    models: dict[str, type[BaseModel]] = {
+        "users": spec.RabbitUser,
+        "vhosts": spec.RabbitVhost,
+        "permissions": spec.RabbitPermission,
+    }
+    for key, model in models.items():
+        for i, item in enumerate(data.get(key, [])):
+            try:
+                model.model_validate(item)
+            except ValidationError as exc:
+                raise ConfigError(spec.describe(exc, source, (key, i))) from None
     for key, needed in (
-        ("permissions", ("user", "vhost")),
         ("exchanges", ("name", "vhost")),
         ("queues", ("name", "vhost")),
         ("bindings", ("source", "vhost", "destination")),
     ):
         for i, item in enumerate(data.get(key, [])):
-            missing = [n for n in needed if n not in item]
+            missing = [n for n in needed if not isinstance(item.get(n), str)]
             if missing:
                 raise ConfigError(f"{source}: {key}[{i}] lacks {', '.join(missing)}")
     return data
 
 
-def _tags(raw: Any) -> list[str]:
-    if isinstance(raw, str):
-        return [t for t in raw.split(",") if t]
-    return [str(t) for t in raw or []]
-
-
 def apply_auth(broker: Broker, data: dict[str, Any], guest_remote: bool = False) -> None:
-    """Users, vhosts and permissions. `guest` stays loopback-only unless guest_remote."""
+    """Users, vhosts and permissions of a document `validate` accepted. `guest` stays
+    loopback-only unless guest_remote."""
     users = broker.users
     for v in data.get("vhosts", []):
-        broker.add_vhost(str(v["name"]))
-    for u in data.get("users", []):
-        name = str(u["name"])
+        broker.add_vhost(v["name"])
+    for raw in data.get("users", []):
+        u = spec.RabbitUser.model_validate(raw)
         users.add(
-            name,
-            password=u.get("password"),
-            password_hash=u.get("password_hash"),
-            tags=_tags(u.get("tags")),
-            loopback_only=name == "guest" and not guest_remote,
+            u.name,
+            password=u.password,
+            password_hash=u.password_hash,
+            tags=u.tags,
+            loopback_only=u.name == "guest" and not guest_remote,
         )
-    for p in data.get("permissions", []):
-        broker.add_vhost(str(p["vhost"]))
-        users.set_permission(
-            str(p["user"]),
-            str(p["vhost"]),
-            Permission(
-                str(p.get("configure", "")), str(p.get("write", "")), str(p.get("read", ""))
-            ),
-        )
+    for raw in data.get("permissions", []):
+        p = spec.RabbitPermission.model_validate(raw)
+        if p.user not in users.users:
+            raise ConfigError(f"permissions for user '{p.user}', who does not exist")
+        broker.add_vhost(p.vhost)
+        users.set_permission(p.user, p.vhost, Permission(p.configure, p.write, p.read))
 
 
 def apply_entities(broker: Broker, data: dict[str, Any], source: str) -> None:

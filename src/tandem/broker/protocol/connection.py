@@ -851,6 +851,8 @@ class Connection:
     # -- permissions --
 
     def _check(self, what: str, name: str, kind: str = "queue") -> None:
+        if kind == "exchange" and not name:
+            name = "amq.default"  # RabbitMQ checks and names the default exchange so
         perm = self.broker.users.permission(self.user, self.vhost_name)
         if perm is None or not perm.allows(what, name):
             raise errors.AccessRefused(
