@@ -1,19 +1,26 @@
-"""A pika consumer: prefetch, manual acks, and duplicate-dropping by message id.
+r"""A pika consumer: prefetch, manual acks, and duplicate-dropping by message id.
 
-    python examples/consumer.py --url amqp://guest:guest@127.0.0.1:5672/%2F --queue orders \
+    python3 examples/consumer.py --url amqp://guest:guest@127.0.0.1:5672/%2F --queue orders \
         --expect 1000
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import pika
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2F")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--url",
+        default=os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+        help="the broker (default: $AMQP_URL, else guest on 127.0.0.1:5672)",
+    )
     ap.add_argument("--queue", default="orders")
     ap.add_argument("--expect", type=int, default=0, help="stop after this many distinct ids")
     ap.add_argument("--idle", type=float, default=5.0, help="stop after this many idle seconds")

@@ -1,17 +1,18 @@
-"""A pika publisher that survives broker restarts and failovers without losing a message.
+r"""A pika publisher that survives broker restarts and failovers without losing a message.
 
 It publishes with publisher confirms, keeps every message until the broker confirms it, and
 when the connection drops it reconnects (with backoff) and publishes the unconfirmed ones again.
 Delivery is at-least-once: a message whose confirm was lost in the drop is sent twice, so give
 messages an id (here `message_id`) and let consumers drop duplicates.
 
-    python examples/reliable_publisher.py --url amqp://guest:guest@127.0.0.1:5672/%2F \
+    python3 examples/reliable_publisher.py --url amqp://guest:guest@127.0.0.1:5672/%2F \
         --queue orders --count 1000
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import pika
@@ -61,8 +62,14 @@ def publish_all(url: str, queue: str, messages: dict[int, bytes], max_wait: floa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2F")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--url",
+        default=os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+        help="the broker (default: $AMQP_URL, else guest on 127.0.0.1:5672)",
+    )
     ap.add_argument("--queue", default="orders")
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--max-wait", type=float, default=120.0)

@@ -1,12 +1,13 @@
 """RPC over RabbitMQ's direct reply-to (`amq.rabbitmq.reply-to`): no reply queue to declare.
 
-python examples/rpc.py server --url amqp://guest:guest@127.0.0.1:5672/%2F
-python examples/rpc.py client --url amqp://guest:guest@127.0.0.1:5672/%2F 10
+python3 examples/rpc.py server --url amqp://guest:guest@127.0.0.1:5672/%2F
+python3 examples/rpc.py client --url amqp://guest:guest@127.0.0.1:5672/%2F 10
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import uuid
 
 import pika
@@ -72,13 +73,19 @@ def call(url: str, queue: str, n: int, timeout: float = 10.0) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("role", choices=["server", "client"])
     ap.add_argument("n", nargs="?", type=int, default=10)
-    ap.add_argument("--url", default="amqp://guest:guest@127.0.0.1:5672/%2F")
+    ap.add_argument(
+        "--url",
+        default=os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+        help="the broker (default: $AMQP_URL, else guest on 127.0.0.1:5672)",
+    )
     ap.add_argument("--queue", default="rpc_queue")
     ap.add_argument("--limit", type=int, default=0, help="server: stop after this many calls")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     if args.role == "server":
         serve(args.url, args.queue, args.limit)
     else:
