@@ -1,0 +1,177 @@
+"""The controller's one decision function: a view in, one decision with its reason out.
+
+Pure: no clock, no I/O. The loop calls it again after acting, so a failover is a sequence of
+decisions (fence, then promote, then follow), each safe on its own if the controller dies right
+after it. docs/failover.md has the table these rules implement; the unit tests read that table.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from tandem.ha import ranking
+from tandem.ha.model import Liveness, Member, Role, Settings, View
+
+
+class Action(enum.Enum):
+    HOLD = "hold"  # the primary serves; renew the record
+    WAIT = "wait"  # nothing safe to do yet; look again
+    FENCE = "fence"  # failover, phase 1: the candidates adopt epoch E+1
+    PROMOTE = "promote"  # failover, phase 2: the best fenced in-sync member becomes primary
+    FOLLOW = "follow"  # members that do not follow the primary at its epoch are told to
+    SHRINK_ISR = "shrink_isr"  # drop a member that is down or lagging (before the primary may)
+    GROW_ISR = "grow_isr"  # add back a member that has caught up
+    REFUSE = "refuse"  # an asked-for switchover that would be unsafe
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    reason: str
+    epoch: int = 0  # FENCE, PROMOTE: the new epoch; FOLLOW, SHRINK, GROW: the current one
+    nodes: frozenset[str] = frozenset()  # FENCE, FOLLOW: the members it applies to
+    target: str | None = None  # PROMOTE: the new primary; FOLLOW: the primary to follow
+    isr: frozenset[str] = frozenset()  # PROMOTE, SHRINK_ISR, GROW_ISR: the ISR to record
+
+
+def decide(view: View, settings: Settings) -> Decision:
+    record = view.record
+    primary = view.member(record.holder)
+    in_flight = sorted(m.node for m in view.members if m.epoch > record.epoch)
+    if view.switchover_to is not None and view.switchover_to != record.holder:
+        return _failover(view, view.switchover_to)
+    if in_flight:
+        # A member adopted a higher epoch: a failover began (perhaps by a controller that
+        # died). The old primary cannot confirm any more, so the failover must complete.
+        return _failover(view, None, f"{', '.join(in_flight)} already fenced at a higher epoch")
+    if primary is not None and _serves(primary, record.epoch):
+        return _maintain(view, settings, primary)
+    if (
+        primary is not None
+        and primary.liveness is Liveness.SILENT
+        and primary.silent_for < settings.failover_delay
+    ):
+        return Decision(
+            Action.WAIT,
+            f"primary {primary.node} silent for {primary.silent_for:.2f}s; failover after "
+            f"{settings.failover_delay:g}s",
+        )
+    return _failover(view, None, _why_no_primary(view))
+
+
+def _serves(m: Member, epoch: int) -> bool:
+    return m.answering and m.role is Role.PRIMARY and m.epoch == epoch
+
+
+def _why_no_primary(view: View) -> str:
+    holder = view.record.holder
+    m = view.member(holder)
+    if holder is None:
+        return "no primary yet"
+    if m is None or m.liveness is Liveness.DOWN:
+        return f"primary {holder} is down"
+    if m.liveness is Liveness.SILENT:
+        return f"primary {holder} silent for {m.silent_for:.2f}s"
+    return f"{holder} answers as {m.role.value} at epoch {m.epoch}, not as primary"
+
+
+def _failover(view: View, target: str | None, why: str = "") -> Decision:
+    record = view.record
+    epoch = record.epoch + 1
+    isr = ",".join(sorted(record.isr)) or "-"
+    if target is not None:
+        why = f"switchover to {target} asked for"
+        t = view.member(target)
+        if target not in record.isr:
+            return Decision(Action.REFUSE, f"{why}, but {target} is not in sync (ISR {isr})")
+        if t is None or not t.answering:
+            return Decision(Action.REFUSE, f"{why}, but {target} does not answer")
+    # Every ISR member holds every confirmed record (rule 3), so any of them is safe; the
+    # answering ones are fenced first so that their positions are final when compared.
+    candidates = [m for m in view.members if m.node in record.isr and m.answering]
+    if not candidates:
+        return Decision(
+            Action.WAIT,
+            f"{why}; no in-sync member answers: waiting for one of {isr}, the only members "
+            f"that hold every confirmed message",
+        )
+    unfenced = frozenset(m.node for m in candidates if m.epoch < epoch)
+    if unfenced:
+        return Decision(
+            Action.FENCE,
+            f"{why}; fencing {', '.join(sorted(unfenced))} at epoch {epoch} so that the old "
+            f"primary can confirm nothing more",
+            epoch=epoch,
+            nodes=unfenced,
+        )
+    choice = view.member(target) if target is not None else None
+    choice = choice or ranking.best(candidates, record.holder)
+    assert choice is not None
+    return Decision(
+        Action.PROMOTE,
+        f"{why}; {choice.node} is the fenced in-sync member with position {choice.position}"
+        + (" (asked for)" if target is not None else ", the highest"),
+        epoch=epoch,
+        target=choice.node,
+        isr=frozenset(m.node for m in candidates),
+    )
+
+
+def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
+    record = view.record
+    strays = frozenset(
+        m.node
+        for m in view.members
+        if m.node != primary.node
+        and m.answering
+        and (m.role is not Role.BACKUP or m.following != primary.node or m.epoch != record.epoch)
+    )
+    if strays:
+        return Decision(
+            Action.FOLLOW,
+            f"{', '.join(sorted(strays))} not following primary {primary.node} at epoch "
+            f"{record.epoch}",
+            epoch=record.epoch,
+            nodes=strays,
+            target=primary.node,
+        )
+    for node in sorted(record.isr - {primary.node}):
+        problem = _out_of_sync(view.member(node), settings)
+        if problem is None:
+            continue
+        smaller = record.isr - {node}
+        if len(smaller) < settings.isr_min:
+            return Decision(
+                Action.HOLD,
+                f"{node} {problem}, but the ISR is at its minimum of {settings.isr_min}: the "
+                f"primary confirms nothing until {node} is back in sync",
+                epoch=record.epoch,
+            )
+        return Decision(
+            Action.SHRINK_ISR,
+            f"{node} {problem}; dropping it from the ISR before the primary stops waiting for it",
+            epoch=record.epoch,
+            isr=smaller,
+        )
+    for m in view.members:
+        if m.node not in record.isr and m.answering and m.caught_up:
+            return Decision(
+                Action.GROW_ISR,
+                f"{m.node} has caught up and the primary counts its acks; adding it back",
+                epoch=record.epoch,
+                isr=record.isr | {m.node},
+            )
+    return Decision(Action.HOLD, f"primary {primary.node} serves; {record.describe()}")
+
+
+def _out_of_sync(m: Member | None, settings: Settings) -> str | None:
+    if m is None or m.liveness is Liveness.DOWN:
+        return "is down"
+    if m.liveness is Liveness.SILENT and m.silent_for >= settings.failover_delay:
+        return f"has been silent for {m.silent_for:.2f}s"
+    if m.lag_records > settings.max_lag_records:
+        return f"lags {m.lag_records} records"
+    if m.lag_seconds > settings.max_lag_seconds:
+        return f"lags {m.lag_seconds:.1f}s"
+    return None

@@ -1,0 +1,119 @@
+"""The controller's loop: observe, decide, act, through the ports.
+
+One decision per turn. After an action the loop looks again at once; after HOLD or WAIT it
+sleeps for the poll interval. Every record change is a compare-and-set on the version read in
+the same turn, so two controllers (or a controller and its restarted self) cannot both win.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from tandem.ha import decide as decide_mod
+from tandem.ha.decide import Action, Decision
+from tandem.ha.model import ElectionRecord, Settings, View
+from tandem.ha.ports import Actuator, Clock, ElectionStore, Observer
+
+log = logging.getLogger(__name__)
+
+
+class Stopped(Protocol):
+    """The part of asyncio.Event the loop reads."""
+
+    def is_set(self) -> bool: ...
+
+
+BUG = "unexpected error, please report it as a bug"
+
+
+@dataclass(slots=True)
+class Controller:
+    cluster: str
+    store: ElectionStore
+    observer: Observer
+    actuator: Actuator
+    clock: Clock
+    settings: Settings
+    poll_interval: float = 0.1
+    switchover_to: str | None = None  # set by `cluster switchover`; cleared once done
+    last: Decision | None = None
+
+    async def turn(self) -> Decision:
+        """Observe once, decide once, act once."""
+        record = await self.store.read()
+        members = await self.observer.observe(record)
+        view = View(record, members, self.switchover_to)
+        decision = decide_mod.decide(view, self.settings)
+        if decision != self.last or decision.action not in (Action.HOLD, Action.WAIT):
+            level = logging.DEBUG if decision.action is Action.HOLD else logging.INFO
+            log.log(
+                level,
+                "cluster=%s epoch=%d %s: %s",
+                self.cluster,
+                record.epoch,
+                decision.action.value,
+                decision.reason,
+            )
+        self.last = decision
+        await self._act(record, decision, view)
+        return decision
+
+    async def _act(self, record: ElectionRecord, d: Decision, view: View) -> None:
+        a = self.actuator
+        if d.action is Action.HOLD and record.holder is not None:
+            await a.renew(record.holder, record.epoch)
+        elif d.action is Action.FENCE:
+            for node in sorted(d.nodes):
+                await a.fence(node, d.epoch)
+        elif d.action is Action.PROMOTE:
+            assert d.target is not None
+            new = replace(record, holder=d.target, epoch=d.epoch, isr=d.isr)
+            if await self._write(record, new, d):
+                await a.promote(d.target, d.epoch, d.isr)
+                for m in view.members:
+                    if m.node != d.target and m.answering:
+                        await a.follow(m.node, d.target, d.epoch)
+                if self.switchover_to == d.target:
+                    self.switchover_to = None
+        elif d.action is Action.FOLLOW:
+            assert d.target is not None
+            for node in sorted(d.nodes):
+                await a.follow(node, d.target, d.epoch)
+        elif d.action is Action.SHRINK_ISR:
+            # The record first: the primary may stop waiting for a member only once the
+            # record no longer names it (rule 4).
+            assert record.holder is not None
+            if await self._write(record, replace(record, isr=d.isr), d):
+                await a.set_isr(record.holder, record.epoch, d.isr)
+        elif d.action is Action.GROW_ISR:
+            # The primary already counts the member's acks (that is what caught_up means),
+            # so the record may name it now; then the primary is told.
+            assert record.holder is not None
+            if await self._write(record, replace(record, isr=d.isr), d):
+                await a.set_isr(record.holder, record.epoch, d.isr)
+        elif d.action is Action.REFUSE:
+            self.switchover_to = None
+
+    async def _write(self, old: ElectionRecord, new: ElectionRecord, d: Decision) -> bool:
+        stored = await self.store.compare_and_set(old, new)
+        if stored is None:
+            log.warning(
+                "cluster=%s epoch=%d %s lost a compare-and-set race; looking again",
+                self.cluster,
+                old.epoch,
+                d.action.value,
+            )
+            return False
+        return True
+
+    async def run(self, stopped: Stopped) -> None:
+        while not stopped.is_set():
+            try:
+                d = await self.turn()
+            except Exception:
+                log.exception("cluster=%s %s", self.cluster, BUG)
+                d = None
+            if d is None or d.action in (Action.HOLD, Action.WAIT, Action.REFUSE):
+                await self.clock.sleep(self.poll_interval)

@@ -1,0 +1,99 @@
+"""Immutable snapshots the failover logic decides on: positions, members, the election record.
+
+Nothing here reads a clock or does I/O. How long a member has been silent is measured by the
+observer on the controller's own monotonic clock and handed in as a number (`silent_for`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Liveness(enum.Enum):
+    UP = "up"  # answered the controller's last poll
+    SILENT = "silent"  # has missed polls for `silent_for` seconds (paused, cut off, overloaded)
+    DOWN = "down"  # known dead: its process exited, its pod terminated
+
+
+class Role(enum.Enum):
+    PRIMARY = "primary"
+    BACKUP = "backup"
+    STANDALONE = "standalone"  # a lone `tandem broker`, never part of a decision
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Position:
+    """A place in the replicated log: the term that wrote it, then the offset. Compared as a
+    pair, as Kafka compares (leader epoch, offset)."""
+
+    epoch: int = 0
+    offset: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.epoch}:{self.offset}"
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """What the controller last observed of one member."""
+
+    node: str
+    liveness: Liveness
+    role: Role = Role.BACKUP
+    epoch: int = 0  # the highest epoch the member has adopted (fencing raises it)
+    position: Position = Position()
+    following: str | None = None  # the primary a backup takes records from
+    silent_for: float = 0.0  # seconds since its last answer, on the controller's clock
+    # From the primary's report: the primary counts this member's acks and it has acked
+    # everything the primary holds (rule 4's condition for joining the ISR).
+    caught_up: bool = False
+    lag_records: int = 0  # records the primary holds that this member has not acked
+    lag_seconds: float = 0.0  # age of the oldest record this member has not acked
+
+    @property
+    def answering(self) -> bool:
+        return self.liveness is Liveness.UP
+
+
+@dataclass(frozen=True, slots=True)
+class ElectionRecord:
+    """One per cluster, written only by the controller, by compare-and-set on `version`."""
+
+    holder: str | None  # the primary, None before the first election
+    epoch: int  # the primary's term; only grows
+    isr: frozenset[str]  # the in-sync set: members holding every confirmed record
+    version: int = 0  # the compare-and-set counter of the store that keeps the record
+
+    @classmethod
+    def initial(cls, nodes: list[str] | tuple[str, ...]) -> ElectionRecord:
+        """A new cluster: no primary, epoch 0, every member in sync (all stores are empty)."""
+        return cls(holder=None, epoch=0, isr=frozenset(nodes))
+
+    def describe(self) -> str:
+        isr = ",".join(sorted(self.isr)) or "-"
+        return f"primary={self.holder or '-'} epoch={self.epoch} isr={isr}"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    failover_delay: float = 1.0  # seconds of silence before a primary is replaced
+    isr_min: int = 2  # below it the primary stops confirming; never shrink under it
+    max_lag_records: int = 100_000  # an ISR member further behind than this is dropped
+    max_lag_seconds: float = 10.0  # ... or whose oldest unacked record is this old
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """Everything one decision is made on."""
+
+    record: ElectionRecord
+    members: tuple[Member, ...]
+    switchover_to: str | None = None  # a planned switchover asked for (`cluster switchover`)
+    by_node: dict[str, Member] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_node", {m.node: m for m in self.members})
+
+    def member(self, node: str | None) -> Member | None:
+        return None if node is None else self.by_node.get(node)

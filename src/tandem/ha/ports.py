@@ -1,0 +1,43 @@
+"""What the HA loop needs from the world, as Protocols. The local cluster implements them on
+a file and child processes; the operator on a Lease, pods and a Service."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from tandem.ha.model import ElectionRecord, Member
+
+
+class ElectionStore(Protocol):
+    async def read(self) -> ElectionRecord: ...
+
+    async def compare_and_set(
+        self, expected: ElectionRecord, new: ElectionRecord
+    ) -> ElectionRecord | None:
+        """Write `new` if the stored record is still `expected` (same version); return the
+        stored record with its new version, or None when another writer got there first."""
+        ...
+
+
+class Observer(Protocol):
+    async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
+        """Every member as last seen, liveness timed on the controller's own clock."""
+        ...
+
+
+class Actuator(Protocol):
+    async def fence(self, node: str, epoch: int) -> None: ...
+
+    async def promote(self, node: str, epoch: int, isr: frozenset[str]) -> None: ...
+
+    async def follow(self, node: str, primary: str, epoch: int) -> None: ...
+
+    async def set_isr(self, primary: str, epoch: int, isr: frozenset[str]) -> None: ...
+
+    async def renew(self, primary: str, epoch: int) -> None: ...
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...

@@ -1,0 +1,173 @@
+"""The controller loop through its ports, with in-memory fakes of the store, the members and
+the clock: no sockets, no processes, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+import pytest
+
+from tandem.ha.decide import Action
+from tandem.ha.loop import BUG, Controller
+from tandem.ha.model import ElectionRecord, Liveness, Member, Position, Role, Settings
+
+
+class Store:
+    def __init__(self, record: ElectionRecord) -> None:
+        self.record = record
+        self.rival: ElectionRecord | None = None  # a write another controller slips in
+
+    async def read(self) -> ElectionRecord:
+        return self.record
+
+    async def compare_and_set(
+        self, expected: ElectionRecord, new: ElectionRecord
+    ) -> ElectionRecord | None:
+        if self.rival is not None:
+            self.record, self.rival = self.rival, None
+        if self.record.version != expected.version:
+            return None
+        self.record = replace(new, version=expected.version + 1)
+        return self.record
+
+
+class Cluster:
+    """Members that obey the actuator's commands as brokers would."""
+
+    def __init__(self, members: list[Member]) -> None:
+        self.members = {m.node: m for m in members}
+        self.calls: list[tuple[str, ...]] = []
+        self.fail_next_observe = False
+
+    async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
+        if self.fail_next_observe:
+            self.fail_next_observe = False
+            raise RuntimeError("observer broke")
+        return tuple(self.members.values())
+
+    def _set(self, node: str, **changes: object) -> None:
+        self.members[node] = replace(self.members[node], **changes)  # type: ignore[arg-type]
+
+    async def fence(self, node: str, epoch: int) -> None:
+        self.calls.append(("fence", node, str(epoch)))
+        role = Role.BACKUP  # a fenced primary stops serving
+        self._set(node, epoch=epoch, role=role, following=None)
+
+    async def promote(self, node: str, epoch: int, isr: frozenset[str]) -> None:
+        self.calls.append(("promote", node, str(epoch)))
+        self._set(node, role=Role.PRIMARY, epoch=epoch, following=None)
+
+    async def follow(self, node: str, primary: str, epoch: int) -> None:
+        self.calls.append(("follow", node, primary))
+        self._set(node, role=Role.BACKUP, epoch=epoch, following=primary)
+
+    async def set_isr(self, primary: str, epoch: int, isr: frozenset[str]) -> None:
+        self.calls.append(("set_isr", primary, ",".join(sorted(isr))))
+
+    async def renew(self, primary: str, epoch: int) -> None:
+        self.calls.append(("renew", primary))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def healthy() -> tuple[Store, Cluster]:
+    record = ElectionRecord("a", 3, frozenset("abc"), version=7)
+    cluster = Cluster(
+        [
+            Member("a", Liveness.UP, Role.PRIMARY, 3, Position(3, 10)),
+            Member("b", Liveness.UP, Role.BACKUP, 3, Position(3, 10), following="a"),
+            Member("c", Liveness.UP, Role.BACKUP, 3, Position(3, 9), following="a"),
+        ]
+    )
+    return Store(record), cluster
+
+
+def controller(store: Store, cluster: Cluster) -> Controller:
+    return Controller("demo", store, cluster, cluster, Clock(), Settings())
+
+
+async def turns_until_hold(c: Controller, limit: int = 10) -> list[Action]:
+    actions = []
+    for _ in range(limit):
+        d = await c.turn()
+        actions.append(d.action)
+        if d.action is Action.HOLD:
+            return actions
+    raise AssertionError(f"no HOLD after {limit} turns: {actions}")
+
+
+def test_a_dead_primary_is_replaced_in_three_turns() -> None:
+    store, cluster = healthy()
+    cluster._set("a", liveness=Liveness.DOWN)
+    actions = asyncio.run(turns_until_hold(controller(store, cluster)))
+    assert actions == [Action.FENCE, Action.PROMOTE, Action.HOLD]
+    assert store.record.holder == "b" and store.record.epoch == 4
+    assert store.record.isr == frozenset("bc") and store.record.version == 8
+    assert ("follow", "c", "b") in cluster.calls
+    assert cluster.calls[-1] == ("renew", "b")
+
+
+def test_a_lost_compare_and_set_promotes_nobody() -> None:
+    store, cluster = healthy()
+    cluster._set("a", liveness=Liveness.DOWN)
+    c = controller(store, cluster)
+    assert asyncio.run(c.turn()).action is Action.FENCE
+    store.rival = replace(store.record, version=99)  # another controller wrote meanwhile
+    assert asyncio.run(c.turn()).action is Action.PROMOTE
+    assert not any(call[0] == "promote" for call in cluster.calls)
+    assert store.record.holder == "a"  # the rival's record stands; the next turn reads it
+    asyncio.run(turns_until_hold(c))
+    assert store.record.holder == "b" and store.record.version == 100
+
+
+def test_switchover_fences_the_old_primary_and_clears_once_done() -> None:
+    store, cluster = healthy()
+    c = controller(store, cluster)
+    c.switchover_to = "c"
+    actions = asyncio.run(turns_until_hold(c))
+    assert actions == [Action.FENCE, Action.PROMOTE, Action.HOLD]
+    assert ("fence", "a", "4") in cluster.calls
+    assert store.record.holder == "c" and c.switchover_to is None
+    assert ("follow", "a", "c") in cluster.calls
+
+
+def test_shrink_writes_the_record_before_telling_the_primary() -> None:
+    store, cluster = healthy()
+    cluster._set("c", liveness=Liveness.DOWN)
+    c = controller(store, cluster)
+    assert asyncio.run(c.turn()).action is Action.SHRINK_ISR
+    assert store.record.isr == frozenset("ab")
+    assert cluster.calls == [("set_isr", "a", "a,b")]
+
+
+def test_an_unexpected_error_is_logged_and_the_loop_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store, cluster = healthy()
+    cluster.fail_next_observe = True
+    c = controller(store, cluster)
+
+    class StopAfter:
+        def __init__(self, turns: int) -> None:
+            self.left = turns
+
+        def is_set(self) -> bool:
+            self.left -= 1
+            return self.left < 0
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(c.run(StopAfter(3)))
+    assert BUG in caplog.text and "observer broke" in caplog.text
+    assert ("renew", "a") in cluster.calls  # the turns after the error went on
+    assert c.clock.monotonic() == pytest.approx(0.3)  # it slept between turns, on its clock
