@@ -143,12 +143,21 @@ def test_method_on_unopened_channel_is_504(broker: Broker) -> None:
     assert connection_close(c).reply_code == 504
 
 
-def test_channel_above_channel_max_is_refused(broker_factory) -> None:  # type: ignore[no-untyped-def]
+def test_channel_max_counts_open_channels_as_rabbitmq_does(broker_factory) -> None:  # type: ignore[no-untyped-def]
     broker = broker_factory({"channel_max": 4})
     c = RawClient(broker.amqp_port)
     c.handshake()
-    c.send_method(5, commands.Channel.Open())
-    assert connection_close(c).reply_code == 530
+    for number in (65535, 5, 2, 9):  # any number, as long as at most 4 are open
+        c.open_channel(number)
+    c.send_method(65535, commands.Channel.Close(200, "bye", 0, 0))
+    c.expect(commands.Channel.CloseOk)
+    c.open_channel(3)  # a closed channel frees its place
+    c.send_method(4, commands.Channel.Open())
+    close = connection_close(c)
+    assert close.reply_code == 530
+    assert "number of channels opened (4) has reached the negotiated channel_max (4)" in (
+        close.reply_text
+    )
 
 
 def test_content_header_without_publish_is_505(broker: Broker) -> None:

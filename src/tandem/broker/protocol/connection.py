@@ -813,9 +813,12 @@ class Connection:
     def _channel_open(self, number: int) -> None:
         if self.state != "running":
             raise errors.ChannelError("channel.open before the connection is open", 20, 10)
-        if number > self.channel_max:
+        # As RabbitMQ: channel_max bounds how many channels are open, not their numbers
+        # (some clients open channel 65535 on a fresh connection).
+        if len(self.channels) >= self.channel_max:
             raise errors.NotAllowed(
-                f"channel number {number} exceeds the negotiated channel_max {self.channel_max}",
+                f"number of channels opened ({len(self.channels)}) has reached the negotiated "
+                f"channel_max ({self.channel_max})",
                 20,
                 10,
             )
