@@ -127,6 +127,7 @@ def views(draw: st.DrawFn) -> View:
     epoch = draw(st.integers(0, 5))
     holder = draw(st.none() | st.sampled_from(nodes))
     isr = frozenset(draw(st.lists(st.sampled_from(nodes), max_size=4, unique=True)))
+    isr |= {holder} if holder else set()  # the primary is always in its own ISR
     record = ElectionRecord(holder, epoch, isr)
     # Half the views are settled (every member follows the record's primary at its epoch),
     # so that the ISR rules are reached as often as the failover ones.
@@ -197,6 +198,11 @@ def test_safety_properties(view: View, isr_min: int) -> None:
     no_failover_started = all(m.epoch <= record.epoch for m in view.members)
     if serving and no_failover_started and view.switchover_to in (None, record.holder):
         assert d.action not in (Action.FENCE, Action.PROMOTE)  # a healthy primary stays
+
+
+def test_a_record_keeps_its_primary_in_the_isr() -> None:
+    with pytest.raises(ValueError, match="must be in its own ISR"):
+        ElectionRecord("a", 3, frozenset("bc"))
 
 
 def test_ranking_prefers_position_then_previous_primary_then_name() -> None:

@@ -65,6 +65,10 @@ class ElectionRecord:
     isr: frozenset[str]  # the in-sync set: members holding every confirmed record
     version: int = 0  # the compare-and-set counter of the store that keeps the record
 
+    def __post_init__(self) -> None:
+        if self.holder is not None and self.holder not in self.isr:
+            raise ValueError(f"the primary {self.holder} must be in its own ISR {set(self.isr)}")
+
     @classmethod
     def initial(cls, nodes: list[str] | tuple[str, ...]) -> ElectionRecord:
         """A new cluster: no primary, epoch 0, every member in sync (all stores are empty)."""
