@@ -160,3 +160,18 @@ def test_scan_refuses_truncated_properties() -> None:
     m = message.Message("", "rk", message.encode_route("", "rk"), raw[:-4], b"", 0)
     with pytest.raises(ValueError, match="truncated"):
         message.scan(m)
+
+
+def test_users_and_permissions_enter_the_model_through_their_specs() -> None:
+    from tandem.broker.model.spec import PermissionSpec, UserSpec
+
+    b = Broker()
+    assert b.add_user(UserSpec(name="guest", password="guest")).loopback_only
+    assert not b.add_user(UserSpec(name="guest", password="guest"), guest_remote=True).loopback_only
+    perm = PermissionSpec(user="app", vhost="new", configure="^a", write="", read=".*")
+    with pytest.raises(errors.ConfigError, match="user 'app', who does not exist"):
+        b.set_permission(perm)
+    b.add_user(UserSpec(name="app", password="pw", tags="monitoring"))  # type: ignore[arg-type]
+    b.set_permission(perm)
+    assert "new" in b.vhosts
+    assert b.users.permission("app", "new") == auth.Permission("^a", "", ".*")

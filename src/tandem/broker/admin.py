@@ -18,7 +18,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
 from tandem.broker.model import definitions, spec
-from tandem.broker.model.auth import Permission
 
 if TYPE_CHECKING:
     from tandem.broker.node import Node
@@ -153,14 +152,7 @@ def make_app(node: Node) -> web.Application:
             return _json_error(404, f"no user '{name}'")
         if existing is not None and "tags" not in body:
             body["tags"] = existing.tags
-        user = _valid(spec.RabbitUser, {**body, "name": name})
-        node.broker.users.add(
-            name,
-            password=user.password,
-            password_hash=user.password_hash,
-            tags=user.tags,
-            loopback_only=name == "guest" and not node.cfg.guest_remote,
-        )
+        node.broker.add_user(_valid(spec.RabbitUser, {**body, "name": name}), node.cfg.guest_remote)
         node.save_auth()
         log.info("user '%s' %s through the admin API", name, "changed" if existing else "added")
         return web.json_response({"name": name}, status=200 if existing else 201)
@@ -206,8 +198,9 @@ def make_app(node: Node) -> web.Application:
         if user not in node.broker.users.users:
             return _json_error(404, f"no user '{user}'")
         body = await _body(request)
-        p = _valid(spec.RabbitPermission, {**body, "user": user, "vhost": vhost})
-        node.broker.users.set_permission(user, vhost, Permission(p.configure, p.write, p.read))
+        node.broker.set_permission(
+            _valid(spec.RabbitPermission, {**body, "user": user, "vhost": vhost})
+        )
         node.save_auth()
         return web.json_response({"user": user, "vhost": vhost}, status=201)
 

@@ -19,8 +19,8 @@ from tandem import errors
 from tandem.broker import admin, server
 from tandem.broker.config import Config
 from tandem.broker.model import definitions
-from tandem.broker.model.auth import Permission
 from tandem.broker.model.broker import Broker
+from tandem.broker.model.spec import UserSpec
 from tandem.broker.protocol import connection as conn_mod
 from tandem.broker.store.lock import DataDirLock
 from tandem.broker.store.log import Store
@@ -111,32 +111,18 @@ class Node:
     # -- users and vhosts --
 
     def _setup_auth(self) -> None:
-        users = self.broker.users
         cfg = self.cfg
         for name in cfg.vhosts:
             self.broker.add_vhost(name)
         if not cfg.users:
-            users.add(
-                "guest",
-                password="guest",
-                tags=["administrator"],
-                loopback_only=not cfg.guest_remote,
-            )
+            guest = UserSpec(name="guest", password="guest", tags=["administrator"])
+            self.broker.add_user(guest, cfg.guest_remote)
             for name in cfg.vhosts:
-                users.set_permission("guest", name, Permission())
+                self.broker.grant("guest", name)
         for u in cfg.users:
-            users.add(
-                u.name,
-                password=u.password,
-                password_hash=u.password_hash,
-                tags=u.tags,
-                loopback_only=u.name == "guest" and not cfg.guest_remote,
-            )
-        for i, p in enumerate(cfg.permissions):
-            if p.user not in users.users:
-                raise errors.ConfigError(f"permissions[{i}]: unknown user '{p.user}'")
-            self.broker.add_vhost(p.vhost)
-            users.set_permission(p.user, p.vhost, Permission(p.configure, p.write, p.read))
+            self.broker.add_user(u, cfg.guest_remote)
+        for p in cfg.permissions:
+            self.broker.set_permission(p)
         if self.definitions is not None:
             definitions.apply_auth(self.broker, self.definitions, cfg.guest_remote)
         if self._auth_file is not None and self._auth_file.exists():

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from tandem import errors
-from tandem.broker.model.auth import Permission, Users
+from tandem.broker.model.auth import Permission, User, Users
 from tandem.broker.model.journal import Journal, MemoryJournal
+from tandem.broker.model.spec import PermissionSpec, UserSpec
 from tandem.broker.model.vhost import Clock, VirtualHost, monotonic_ms
 
 
@@ -38,6 +39,24 @@ class Broker:
 
     def grant(self, user: str, vhost: str, perm: Permission | None = None) -> None:
         self.users.set_permission(user, vhost, perm or Permission())
+
+    def add_user(self, u: UserSpec, guest_remote: bool = False) -> User:
+        """Add or replace a user; `guest` stays loopback-only unless guest_remote (RabbitMQ's
+        `loopback_users`)."""
+        return self.users.add(
+            u.name,
+            password=u.password,
+            password_hash=u.password_hash,
+            tags=u.tags,
+            loopback_only=u.name == "guest" and not guest_remote,
+        )
+
+    def set_permission(self, p: PermissionSpec) -> None:
+        """Set a validated permission, creating its vhost; the user must exist."""
+        if p.user not in self.users.users:
+            raise errors.ConfigError(f"permissions for user '{p.user}', who does not exist")
+        self.add_vhost(p.vhost)
+        self.users.set_permission(p.user, p.vhost, Permission(p.configure, p.write, p.read))
 
     def sweep(self) -> None:
         for vh in list(self.vhosts.values()):

@@ -14,7 +14,6 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from tandem.broker.model import spec
-from tandem.broker.model.auth import Permission
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.queue import Queue
 from tandem.errors import ConfigError
@@ -58,24 +57,12 @@ def validate(data: Any, source: str) -> dict[str, Any]:
 def apply_auth(broker: Broker, data: dict[str, Any], guest_remote: bool = False) -> None:
     """Users, vhosts and permissions of a document `validate` accepted. `guest` stays
     loopback-only unless guest_remote."""
-    users = broker.users
     for v in data.get("vhosts", []):
         broker.add_vhost(v["name"])
     for raw in data.get("users", []):
-        u = spec.RabbitUser.model_validate(raw)
-        users.add(
-            u.name,
-            password=u.password,
-            password_hash=u.password_hash,
-            tags=u.tags,
-            loopback_only=u.name == "guest" and not guest_remote,
-        )
+        broker.add_user(spec.RabbitUser.model_validate(raw), guest_remote)
     for raw in data.get("permissions", []):
-        p = spec.RabbitPermission.model_validate(raw)
-        if p.user not in users.users:
-            raise ConfigError(f"permissions for user '{p.user}', who does not exist")
-        broker.add_vhost(p.vhost)
-        users.set_permission(p.user, p.vhost, Permission(p.configure, p.write, p.read))
+        broker.set_permission(spec.RabbitPermission.model_validate(raw))
 
 
 def apply_entities(broker: Broker, data: dict[str, Any], source: str) -> None:
