@@ -81,15 +81,10 @@ class Controller:
             assert d.target is not None
             for node in sorted(d.nodes):
                 await a.follow(node, d.target, d.epoch)
-        elif d.action is Action.SHRINK_ISR:
-            # The record first: the primary may stop waiting for a member only once the
-            # record no longer names it (rule 4).
-            assert record.holder is not None
-            if await self._write(record, replace(record, isr=d.isr), d):
-                await a.set_isr(record.holder, record.epoch, d.isr)
-        elif d.action is Action.GROW_ISR:
-            # The primary already counts the member's acks (that is what caught_up means),
-            # so the record may name it now; then the primary is told.
+        elif d.action in (Action.SHRINK_ISR, Action.GROW_ISR):
+            # The record first, then the primary (rule 4): on shrink the primary may stop
+            # waiting for a member only once the record no longer names it; on grow the
+            # primary already counts the member's acks (that is what caught_up means).
             assert record.holder is not None
             if await self._write(record, replace(record, isr=d.isr), d):
                 await a.set_isr(record.holder, record.epoch, d.isr)
