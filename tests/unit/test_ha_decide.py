@@ -20,11 +20,14 @@ ROLES = {"primary": Role.PRIMARY, "backup": Role.BACKUP}
 
 
 def parse_record(text: str) -> ElectionRecord:
-    holder, epoch, isr = text.split()
+    holder, epoch, isr, *rest = text.split()
+    extra = dict(word.split("=") for word in rest)
     return ElectionRecord(
         holder=None if holder == "-" else holder,
         epoch=int(epoch.removeprefix("e")),
         isr=frozenset(isr.removeprefix("isr=").split(",")),
+        tracking=frozenset(extra["track"].split(",")) if "track" in extra else frozenset(),
+        version=int(extra.get("v", 0)),
     )
 
 
@@ -41,6 +44,10 @@ def parse_member(text: str, holder: str | None) -> Member:
             liveness, fields["silent_for"] = Liveness.SILENT, float(word.split("=")[1])
         elif word == "caught-up":
             fields["caught_up"] = True
+        elif word == "waited":
+            fields["waited"] = True
+        elif word.startswith("applied="):
+            fields["applied_version"] = int(word.split("=")[1])
         elif word.startswith("lag="):
             fields["lag_records"] = int(word.split("=")[1])
         elif word.startswith("follows="):
@@ -83,7 +90,7 @@ ROWS = table()
 
 
 def test_the_doc_has_the_table() -> None:
-    assert len(ROWS) >= 30
+    assert len(ROWS) >= 33
 
 
 def render(d: decide.Decision) -> str:
@@ -99,6 +106,8 @@ def render(d: decide.Decision) -> str:
             return f"follow {nodes} → {d.target}"
         case Action.SHRINK_ISR | Action.GROW_ISR:
             return f"{d.action.value.split('_')[0]} → {isr}"
+        case Action.TRACK | Action.UNTRACK:
+            return f"{d.action.value} → {','.join(sorted(d.tracking)) or '-'}"
         case _:
             return d.action.value
 
@@ -128,7 +137,9 @@ def views(draw: st.DrawFn) -> View:
     holder = draw(st.none() | st.sampled_from(nodes))
     isr = frozenset(draw(st.lists(st.sampled_from(nodes), max_size=4, unique=True)))
     isr |= {holder} if holder else set()  # the primary is always in its own ISR
-    record = ElectionRecord(holder, epoch, isr)
+    tracking = frozenset(draw(st.lists(st.sampled_from(nodes), max_size=2, unique=True))) - isr
+    version = draw(st.integers(0, 3))
+    record = ElectionRecord(holder, epoch, isr, version, tracking)
     # Half the views are settled (every member follows the record's primary at its epoch),
     # so that the ISR rules are reached as often as the failover ones.
     settled = draw(st.booleans())
@@ -152,6 +163,8 @@ def views(draw: st.DrawFn) -> View:
                 following=following,
                 silent_for=draw(st.floats(0, 3)) if liveness is Liveness.SILENT else 0.0,
                 caught_up=draw(st.booleans()),
+                waited=draw(st.booleans()),
+                applied_version=draw(st.integers(max(0, version - 1), version)),
                 lag_records=draw(st.sampled_from([0, 10, 200_000])),
             )
         )
@@ -164,6 +177,7 @@ def views(draw: st.DrawFn) -> View:
 def test_safety_properties(view: View, isr_min: int) -> None:
     s = Settings(failover_delay=1.0, isr_min=isr_min, max_lag_records=100_000)
     record = view.record
+    primary_member = view.member(record.holder)
     d = decide.decide(view, s)
     assert d.reason
     answering_isr = [m for m in view.members if m.node in record.isr and m.answering]
@@ -183,11 +197,19 @@ def test_safety_properties(view: View, isr_min: int) -> None:
         assert d.nodes and d.nodes <= record.isr
     if d.action is Action.SHRINK_ISR:
         assert d.isr < record.isr and len(d.isr) >= isr_min
-        assert record.holder in d.isr
+        assert record.holder in d.isr and d.tracking == record.tracking
     if d.action is Action.GROW_ISR:
+        # Rule 4: only a tracked member the primary (having applied this very record) waits
+        # for, and that holds all that is confirmed.
         (added,) = d.isr - record.isr
         joined = view.member(added)
-        assert joined is not None and joined.caught_up and joined.answering
+        assert added in record.tracking and d.tracking == record.tracking - {added}
+        assert joined is not None and joined.caught_up and joined.waited
+        assert primary_member is not None
+        assert primary_member.applied_version == record.version
+    if d.action in (Action.TRACK, Action.UNTRACK):
+        assert d.isr == record.isr and d.tracking ^ record.tracking
+        assert not d.tracking & d.isr
     primary = view.member(record.holder)
     serving = (
         primary is not None

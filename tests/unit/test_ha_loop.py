@@ -55,19 +55,27 @@ class Cluster:
         role = Role.BACKUP  # a fenced primary stops serving
         self._set(node, epoch=epoch, role=role, following=None)
 
-    async def promote(self, node: str, epoch: int, isr: frozenset[str]) -> None:
-        self.calls.append(("promote", node, str(epoch)))
-        self._set(node, role=Role.PRIMARY, epoch=epoch, following=None)
+    async def promote(self, node: str, record: ElectionRecord) -> None:
+        self.calls.append(("promote", node, str(record.epoch)))
+        self._set(
+            node,
+            role=Role.PRIMARY,
+            epoch=record.epoch,
+            following=None,
+            applied_version=record.version,
+        )
 
     async def follow(self, node: str, primary: str, epoch: int) -> None:
         self.calls.append(("follow", node, primary))
         self._set(node, role=Role.BACKUP, epoch=epoch, following=primary)
 
-    async def set_isr(self, primary: str, epoch: int, isr: frozenset[str]) -> None:
-        self.calls.append(("set_isr", primary, ",".join(sorted(isr))))
+    async def set_isr(self, primary: str, record: ElectionRecord) -> None:
+        self.calls.append(("set_isr", primary, ",".join(sorted(record.isr))))
+        self._set(primary, applied_version=record.version)
 
-    async def renew(self, primary: str, epoch: int) -> None:
+    async def renew(self, primary: str, record: ElectionRecord) -> None:
         self.calls.append(("renew", primary))
+        self._set(primary, applied_version=record.version)
 
 
 class Clock:
@@ -85,7 +93,7 @@ def healthy() -> tuple[Store, Cluster]:
     record = ElectionRecord("a", 3, frozenset("abc"), version=7)
     cluster = Cluster(
         [
-            Member("a", Liveness.UP, Role.PRIMARY, 3, Position(3, 10)),
+            Member("a", Liveness.UP, Role.PRIMARY, 3, Position(3, 10), applied_version=7),
             Member("b", Liveness.UP, Role.BACKUP, 3, Position(3, 10), following="a"),
             Member("c", Liveness.UP, Role.BACKUP, 3, Position(3, 9), following="a"),
         ]
@@ -149,6 +157,20 @@ def test_shrink_writes_the_record_before_telling_the_primary() -> None:
     assert asyncio.run(c.turn()).action is Action.SHRINK_ISR
     assert store.record.isr == frozenset("ab")
     assert cluster.calls == [("set_isr", "a", "a,b")]
+
+
+def test_a_member_joins_the_isr_only_after_the_primary_waits_for_it() -> None:
+    store, cluster = healthy()
+    store.record = replace(store.record, isr=frozenset("ab"))
+    cluster._set("c", caught_up=True)
+    c = controller(store, cluster)
+    assert asyncio.run(c.turn()).action is Action.TRACK
+    assert store.record.tracking == {"c"} and store.record.isr == {"a", "b"}
+    # The primary applied the record but does not report waiting for c yet: no grow.
+    assert asyncio.run(c.turn()).action is Action.HOLD
+    cluster._set("c", waited=True)
+    assert asyncio.run(c.turn()).action is Action.GROW_ISR
+    assert store.record.isr == frozenset("abc") and not store.record.tracking
 
 
 def test_an_unexpected_error_is_logged_and_the_loop_goes_on(

@@ -21,7 +21,9 @@ class Action(enum.Enum):
     PROMOTE = "promote"  # failover, phase 2: the best fenced in-sync member becomes primary
     FOLLOW = "follow"  # members that do not follow the primary at its epoch are told to
     SHRINK_ISR = "shrink_isr"  # drop a member that is down or lagging (before the primary may)
-    GROW_ISR = "grow_isr"  # add back a member that has caught up
+    TRACK = "track"  # have the primary wait for a member that has caught up
+    UNTRACK = "untrack"  # stop waiting for a tracked member that fell behind again
+    GROW_ISR = "grow_isr"  # name a tracked member in the ISR once the primary waits for it
     REFUSE = "refuse"  # an asked-for switchover that would be unsafe
 
 
@@ -32,7 +34,9 @@ class Decision:
     epoch: int = 0  # FENCE, PROMOTE: the new epoch; FOLLOW, SHRINK, GROW: the current one
     nodes: frozenset[str] = frozenset()  # FENCE, FOLLOW: the members it applies to
     target: str | None = None  # PROMOTE: the new primary; FOLLOW: the primary to follow
-    isr: frozenset[str] = frozenset()  # PROMOTE, SHRINK_ISR, GROW_ISR: the ISR to record
+    # PROMOTE and the record changes (SHRINK_ISR, TRACK, UNTRACK, GROW_ISR): what to record.
+    isr: frozenset[str] = frozenset()
+    tracking: frozenset[str] = frozenset()
 
 
 def decide(view: View, settings: Settings) -> Decision:
@@ -154,13 +158,44 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
             epoch=record.epoch,
             isr=smaller,
         )
-    for m in view.members:
-        if m.node not in record.isr and m.answering and m.caught_up:
+    for node in sorted(record.tracking):
+        problem = _out_of_sync(view.member(node), settings)
+        if problem is not None:
+            return Decision(
+                Action.UNTRACK,
+                f"{node} {problem}; the primary stops waiting for it (it is not in the ISR)",
+                epoch=record.epoch,
+                isr=record.isr,
+                tracking=record.tracking - {node},
+            )
+    if primary.applied_version < record.version:
+        # A lost or late message: the renewal carries the record, and nothing is grown
+        # until the primary is known to wait for what the record says.
+        return Decision(
+            Action.HOLD,
+            f"primary {primary.node} has applied record version {primary.applied_version}, "
+            f"not {record.version}; renewing with it",
+            epoch=record.epoch,
+        )
+    for node in sorted(record.tracking):
+        m = view.member(node)
+        if m is not None and m.waited and m.caught_up:
             return Decision(
                 Action.GROW_ISR,
-                f"{m.node} has caught up and the primary counts its acks; adding it back",
+                f"{node} holds all that is confirmed and the primary waits for its acks; "
+                f"naming it in the ISR",
                 epoch=record.epoch,
-                isr=record.isr | {m.node},
+                isr=record.isr | {node},
+                tracking=record.tracking - {node},
+            )
+    for m in view.members:
+        if m.node not in record.waited and m.answering and m.caught_up:
+            return Decision(
+                Action.TRACK,
+                f"{m.node} has acked all that is confirmed; the primary is to wait for it",
+                epoch=record.epoch,
+                isr=record.isr,
+                tracking=record.tracking | {m.node},
             )
     return Decision(Action.HOLD, f"primary {primary.node} serves; {record.describe()}")
 

@@ -63,15 +63,16 @@ class Controller:
     async def _act(self, record: ElectionRecord, d: Decision, view: View) -> None:
         a = self.actuator
         if d.action is Action.HOLD and record.holder is not None:
-            await a.renew(record.holder, record.epoch)
+            await a.renew(record.holder, record)
         elif d.action is Action.FENCE:
             for node in sorted(d.nodes):
                 await a.fence(node, d.epoch)
         elif d.action is Action.PROMOTE:
             assert d.target is not None
-            new = replace(record, holder=d.target, epoch=d.epoch, isr=d.isr)
-            if await self._write(record, new, d):
-                await a.promote(d.target, d.epoch, d.isr)
+            new = replace(record, holder=d.target, epoch=d.epoch, isr=d.isr, tracking=frozenset())
+            stored = await self._write(record, new, d)
+            if stored is not None:
+                await a.promote(d.target, stored)
                 for m in view.members:
                     if m.node != d.target and m.answering:
                         await a.follow(m.node, d.target, d.epoch)
@@ -81,17 +82,20 @@ class Controller:
             assert d.target is not None
             for node in sorted(d.nodes):
                 await a.follow(node, d.target, d.epoch)
-        elif d.action in (Action.SHRINK_ISR, Action.GROW_ISR):
-            # The record first, then the primary (rule 4): on shrink the primary may stop
-            # waiting for a member only once the record no longer names it; on grow the
-            # primary already counts the member's acks (that is what caught_up means).
+        elif d.action in (Action.SHRINK_ISR, Action.TRACK, Action.UNTRACK, Action.GROW_ISR):
+            # The record first, then the primary (rule 4): on shrink and untrack the primary
+            # may stop waiting for a member only once the record no longer names it; a member
+            # is named in the ISR only once the primary reported that it waits for it.
             assert record.holder is not None
-            if await self._write(record, replace(record, isr=d.isr), d):
-                await a.set_isr(record.holder, record.epoch, d.isr)
+            stored = await self._write(record, replace(record, isr=d.isr, tracking=d.tracking), d)
+            if stored is not None:
+                await a.set_isr(record.holder, stored)
         elif d.action is Action.REFUSE:
             self.switchover_to = None
 
-    async def _write(self, old: ElectionRecord, new: ElectionRecord, d: Decision) -> bool:
+    async def _write(
+        self, old: ElectionRecord, new: ElectionRecord, d: Decision
+    ) -> ElectionRecord | None:
         stored = await self.store.compare_and_set(old, new)
         if stored is None:
             log.warning(
@@ -100,8 +104,7 @@ class Controller:
                 old.epoch,
                 d.action.value,
             )
-            return False
-        return True
+        return stored
 
     async def run(self, stopped: Stopped) -> None:
         while not stopped.is_set():

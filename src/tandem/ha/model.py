@@ -45,9 +45,12 @@ class Member:
     position: Position = Position()
     following: str | None = None  # the primary a backup takes records from
     silent_for: float = 0.0  # seconds since its last answer, on the controller's clock
-    # From the primary's report: the primary counts this member's acks and it has acked
-    # everything the primary holds (rule 4's condition for joining the ISR).
+    # From the primary's report, taken at one instant: the member has acked everything the
+    # primary has confirmed (`caught_up`), and the primary waits for its acks (`waited`).
     caught_up: bool = False
+    waited: bool = False
+    # On the primary: the version of the election record whose wait set it applied last.
+    applied_version: int = 0
     lag_records: int = 0  # records the primary holds that this member has not acked
     lag_seconds: float = 0.0  # age of the oldest record this member has not acked
 
@@ -64,10 +67,20 @@ class ElectionRecord:
     epoch: int  # the primary's term; only grows
     isr: frozenset[str]  # the in-sync set: members holding every confirmed record
     version: int = 0  # the compare-and-set counter of the store that keeps the record
+    # Members on their way into the ISR: the primary waits for their acks too, so that once
+    # one has acked all that is confirmed, the ISR may name it (rule 4).
+    tracking: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.holder is not None and self.holder not in self.isr:
             raise ValueError(f"the primary {self.holder} must be in its own ISR {set(self.isr)}")
+        if self.isr & self.tracking:
+            raise ValueError(f"{set(self.isr & self.tracking)} both in the ISR and tracked")
+
+    @property
+    def waited(self) -> frozenset[str]:
+        """The members whose acks the primary must wait for: the ISR and the tracked ones."""
+        return self.isr | self.tracking
 
     @classmethod
     def initial(cls, nodes: list[str] | tuple[str, ...]) -> ElectionRecord:
@@ -76,7 +89,8 @@ class ElectionRecord:
 
     def describe(self) -> str:
         isr = ",".join(sorted(self.isr)) or "-"
-        return f"primary={self.holder or '-'} epoch={self.epoch} isr={isr}"
+        tracking = f" tracking={','.join(sorted(self.tracking))}" if self.tracking else ""
+        return f"primary={self.holder or '-'} epoch={self.epoch} isr={isr}{tracking}"
 
 
 @dataclass(frozen=True, slots=True)
