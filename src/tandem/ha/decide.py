@@ -91,9 +91,16 @@ def _failover(view: View, target: str | None, why: str = "") -> Decision:
             return Decision(Action.REFUSE, f"{why}, but {target} is not in sync (ISR {isr})")
         if t is None or not t.answering:
             return Decision(Action.REFUSE, f"{why}, but {target} does not answer")
+        if _lost_store(t, record.epoch):
+            return Decision(Action.REFUSE, f"{why}, but {target} has lost its store")
     # Every ISR member holds every confirmed record (rule 3), so any of them is safe; the
-    # answering ones are fenced first so that their positions are final when compared.
-    candidates = [m for m in view.members if m.node in record.isr and m.answering]
+    # answering ones are fenced first so that their positions are final when compared. One
+    # whose epoch is below the record's has lost its store (see `_lost_store`).
+    candidates = [
+        m
+        for m in view.members
+        if m.node in record.isr and m.answering and not _lost_store(m, record.epoch)
+    ]
     if not candidates:
         return Decision(
             Action.WAIT,
@@ -122,8 +129,29 @@ def _failover(view: View, target: str | None, why: str = "") -> Decision:
     )
 
 
+def _lost_store(m: Member, epoch: int) -> bool:
+    """Every member the record names in its ISR adopted the record's epoch before it was
+    named (fenced before a promotion, or told to follow before it grew back), and the epoch is
+    on disk. A member named there with a lower epoch has come back without its store: it is
+    not in sync, whatever it says."""
+    return m.answering and m.epoch < epoch
+
+
 def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
     record = view.record
+    for node in sorted(record.isr - {primary.node}):
+        m = view.member(node)
+        if m is not None and _lost_store(m, record.epoch):
+            # Dropped even below the ISR minimum: the primary then confirms nothing until
+            # the member has caught up again and grown back.
+            return Decision(
+                Action.SHRINK_ISR,
+                f"{node} came back at epoch {m.epoch} below the record's {record.epoch}: it has "
+                f"lost its store; dropping it from the ISR before it rejoins",
+                epoch=record.epoch,
+                isr=record.isr - {node},
+                tracking=record.tracking,
+            )
     strays = frozenset(
         m.node
         for m in view.members
@@ -149,7 +177,7 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
             return Decision(
                 Action.HOLD,
                 f"{node} {problem}, but the ISR is at its minimum of {settings.isr_min}: the "
-                f"primary confirms nothing until {node} is back in sync",
+                f"primary keeps waiting for it rather than confirm without it",
                 epoch=record.epoch,
             )
         return Decision(
@@ -157,6 +185,7 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
             f"{node} {problem}; dropping it from the ISR before the primary stops waiting for it",
             epoch=record.epoch,
             isr=smaller,
+            tracking=record.tracking,
         )
     for node in sorted(record.tracking):
         problem = _out_of_sync(view.member(node), settings)
