@@ -36,9 +36,12 @@ def ack_counts(ack_epoch: int, my_epoch: int) -> bool:
     return ack_epoch == my_epoch
 
 
-def may_confirm(isr: Set[str], acked: Set[str], isr_min: int) -> bool:
-    """Rule 3: every ISR member has the record, and the ISR is not below its minimum."""
-    return len(isr) >= isr_min and isr <= acked
+def may_confirm(
+    isr: Set[str], acked: Set[str], isr_min: int, tracking: Set[str] = frozenset()
+) -> bool:
+    """Rule 3: every ISR member (and every tracked member, on its way into the ISR) has the
+    record, and the ISR is not below its minimum."""
+    return len(isr) >= isr_min and isr <= acked and tracking <= acked
 
 
 def lease_lapsed(since_renewal: float, lease: float) -> bool:

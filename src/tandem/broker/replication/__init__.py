@@ -1,0 +1,1 @@
+"""Replication: the pure protocol core (core.py); the socket shell comes with the listener."""

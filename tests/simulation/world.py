@@ -1,0 +1,352 @@
+"""A deterministic simulation of replication and failover: members, network, disks and clock
+simulated, everything else the real code.
+
+Each member is a real `tandem.broker.replication.core.Replica`; the controller is the real
+`tandem.ha.loop.Controller` (its `decide`, its order of record writes and commands) on ports
+that touch only this world. From a seed, a schedule interleaves client writes, message
+deliveries (lost, duplicated, reordered, delayed for as long as the schedule likes), timer
+ticks, controller turns, crashes, restarts, pauses and resumes, and the passing of time. After
+every step the DESIGN's rules are checked; at the end the faults stop and the cluster must
+recover: one primary, every member back in sync, a new write confirmed.
+
+Run one seed with its trace: `python -m tests.simulation --seed N --trace`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Coroutine
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from tandem.broker.replication import core
+from tandem.ha.loop import Controller
+from tandem.ha.model import ElectionRecord, Liveness, Member, Role, Settings
+
+
+class Violation(AssertionError):
+    """A DESIGN rule broken; the message names it."""
+
+
+def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine whose awaits all complete at once (the ports here never block)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value
+    coro.close()
+    raise RuntimeError("the coroutine waited on something this world does not provide")
+
+
+@dataclass
+class Message:
+    dest: str
+    body: core.PeerMessage | core.ControlMessage
+
+
+@dataclass
+class World:
+    seed: int
+    nodes: int = 3
+    isr_min: int = 2
+    steps: int = 300
+    faults: bool = True
+    trace: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.names = [chr(ord("a") + i) for i in range(self.nodes)]
+        self.replicas = {n: core.Replica(n, isr_min=self.isr_min) for n in self.names}
+        self.state = dict.fromkeys(self.names, "up")  # up | crashed | paused
+        self.paused_since: dict[str, float] = {}
+        self.now = 0.0
+        self.net: list[Message] = []
+        self.record = ElectionRecord.initial(self.names)
+        self.holders: dict[int, str] = {}  # epoch -> the one member promoted in it
+        self.confirmed: dict[int, int] = {}  # offset -> epoch of every confirmed record
+        self.epochs = dict.fromkeys(self.names, 0)
+        self.incarnations = 0
+        # Members whose disk was lost, until the record has dropped them and named them again.
+        # At most isr_min - 1 at once: the promise covers no more.
+        self.wiped: dict[str, bool] = {}  # node -> has left the record's ISR since
+        self.controller = Controller(
+            "sim",
+            self,
+            self,
+            self,
+            self,
+            Settings(failover_delay=1.0, isr_min=self.isr_min, max_lag_records=20),
+        )
+
+    # -- ElectionStore --
+
+    async def read(self) -> ElectionRecord:
+        return self.record
+
+    async def compare_and_set(
+        self, expected: ElectionRecord, new: ElectionRecord
+    ) -> ElectionRecord | None:
+        if expected.version != self.record.version:
+            return None
+        if new.epoch != self.record.epoch:
+            if new.epoch in self.holders or new.epoch < self.record.epoch:
+                raise Violation(f"epoch {new.epoch} given twice or going back ({self.record})")
+            assert new.holder is not None
+            self.holders[new.epoch] = new.holder
+        self.record = replace(new, version=expected.version + 1)
+        self.log(f"record: {self.record.describe()} v{self.record.version}")
+        return self.record
+
+    # -- Observer --
+
+    async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
+        primary = self.replicas.get(record.holder or "")
+        reporting = (
+            primary is not None
+            and self.state[primary.node] == "up"
+            and primary.role is Role.PRIMARY
+        )
+        members = []
+        for n, r in self.replicas.items():
+            if self.state[n] == "crashed":
+                members.append(Member(n, Liveness.DOWN))
+                continue
+            caught_up, waited, lag = (
+                primary.report(n) if reporting and primary is not None else (False, False, 0)
+            )
+            paused = self.state[n] == "paused"
+            members.append(
+                Member(
+                    n,
+                    Liveness.SILENT if paused else Liveness.UP,
+                    r.role,
+                    r.epoch,
+                    r.position,
+                    following=r.following,
+                    silent_for=self.now - self.paused_since[n] if paused else 0.0,
+                    caught_up=caught_up,
+                    waited=waited,
+                    applied_version=r.applied_version,
+                    lag_records=lag,
+                )
+            )
+        return tuple(members)
+
+    # -- Actuator: commands travel the same unreliable network --
+
+    async def fence(self, node: str, epoch: int) -> None:
+        self.send(node, core.Fence(epoch))
+
+    async def promote(self, node: str, record: ElectionRecord) -> None:
+        self.send(node, core.Promote(record))
+
+    async def follow(self, node: str, primary: str, epoch: int) -> None:
+        self.send(node, core.Follow(primary, epoch))
+
+    async def set_isr(self, primary: str, record: ElectionRecord) -> None:
+        self.send(primary, core.Inform(record))
+
+    async def renew(self, primary: str, record: ElectionRecord) -> None:
+        self.send(primary, core.Inform(record))
+
+    # -- Clock --
+
+    def monotonic(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    # -- the world --
+
+    def log(self, line: str) -> None:
+        self.trace.append(f"{self.now:7.2f} {line}")
+
+    def send(self, dest: str, body: core.PeerMessage | core.ControlMessage) -> None:
+        self.net.append(Message(dest, body))
+
+    def sends(self, outs: list[core.Out]) -> None:
+        for dest, body in outs:
+            self.send(dest, body)
+
+    def up(self) -> list[str]:
+        return [n for n in self.names if self.state[n] == "up"]
+
+    def deliver(self, lossy: bool) -> None:
+        ready = [i for i, m in enumerate(self.net) if self.state[m.dest] != "paused"]
+        if not ready:
+            return
+        # Under faults any message in flight may come next (reordering, delay); once the
+        # faults stop the network delivers in order, as TCP does on a healthy link.
+        i = self.rng.choice(ready) if lossy else ready[0]
+        msg = self.net[i]
+        roll = self.rng.random()
+        if lossy and roll < 0.1:
+            del self.net[i]
+            self.log(f"lost {msg.body} to {msg.dest}")
+            return
+        if not (lossy and roll < 0.15):  # else: delivered and kept, so it comes twice
+            del self.net[i]
+        if self.state[msg.dest] == "crashed":
+            return
+        r = self.replicas[msg.dest]
+        self.log(f"{msg.dest} <- {msg.body}")
+        if isinstance(msg.body, core.Fence | core.Promote | core.Follow | core.Inform):
+            self.sends(r.control(msg.body))
+        else:
+            self.sends(r.peer(msg.body))
+
+    def publish(self) -> None:
+        for n in self.up():
+            r = self.replicas[n]
+            if r.accepting:
+                self.sends(r.append())
+                self.log(f"{n} appends {r.position}")
+                return
+
+    def tick(self) -> None:
+        up = self.up()
+        if up:
+            self.sends(self.replicas[self.rng.choice(up)].tick())
+
+    def fault(self) -> None:
+        n = self.rng.choice(self.names)
+        kind = self.rng.choice(["crash", "pause", "heal", "heal", "wipe"])
+        # A lost disk is a failure the promise covers only while another ISR member holds
+        # everything: at most isr_min - 1 at once, and never the last one the record names.
+        others = self.record.isr - set(self.wiped) - {n}
+        wipe_ok = len(self.wiped) < self.isr_min - 1 and bool(others)
+        if kind == "wipe" and self.state[n] != "paused" and wipe_ok:
+            self.crash(n)
+            self.replicas[n] = core.Replica(n, isr_min=self.isr_min)
+            self.epochs[n] = 0
+            self.wiped[n] = False
+            self.log(f"{n} crashes and loses its disk")
+        elif kind == "crash" and self.state[n] == "up":
+            self.crash(n)
+            self.log(f"{n} crashes")
+        elif kind == "pause" and self.state[n] == "up":
+            self.state[n], self.paused_since[n] = "paused", self.now
+            self.log(f"{n} pauses")
+        elif kind == "heal":
+            self.heal(n)
+
+    def crash(self, n: str) -> None:
+        """Its process dies: messages on their way to it are lost, and its peers see their
+        connections to it close."""
+        self.state[n] = "crashed"
+        self.net = [m for m in self.net if m.dest != n]
+        for other in self.replicas.values():
+            if other.node != n:
+                other.disconnected(n)
+
+    def heal(self, n: str) -> None:
+        if self.state[n] == "crashed":
+            self.incarnations += 1
+            self.replicas[n].restart(self.incarnations)
+            self.log(f"{n} restarts")
+        elif self.state[n] == "paused":
+            self.log(f"{n} resumes")
+        self.state[n] = "up"
+
+    def step(self, faults: bool) -> None:
+        roll = self.rng.random()
+        if roll < 0.5:
+            for _ in range(self.rng.randint(1, 4)):  # the network outpaces the writers
+                self.deliver(lossy=faults)
+        elif roll < 0.6:
+            self.publish()
+        elif roll < 0.7:
+            self.tick()
+        elif roll < 0.82:
+            run_sync(self.controller.turn())
+        elif roll < 0.9:
+            self.now += self.rng.choice([0.1, 0.3, 1.2])
+        elif faults:
+            self.fault()
+        self.check()
+
+    # -- the rules --
+
+    def check(self) -> None:
+        for n, r in self.replicas.items():
+            if r.epoch < self.epochs[n]:
+                raise Violation(f"rule 1: {n}'s epoch went from {self.epochs[n]} to {r.epoch}")
+            self.epochs[n] = r.epoch
+        primaries = [r for r in self.replicas.values() if r.role is Role.PRIMARY]
+        for r in primaries:
+            if self.holders.get(r.epoch) != r.node:
+                raise Violation(f"{r.node} acts as primary in epoch {r.epoch} it was not given")
+            for o in range(1, r.confirmed + 1):
+                epoch = r.log[o - 1]
+                if self.confirmed.setdefault(o, epoch) != epoch:
+                    raise Violation(
+                        f"confirmed record lost: offset {o} was confirmed in epoch "
+                        f"{self.confirmed[o]}, now {r.node} confirms epoch {epoch} there"
+                    )
+        for offset, epoch in self.confirmed.items():
+            # Rule 3's minimum: a confirmed record is on at least isr_min disks, less only
+            # by the disks lost since (each of them is back in the count once it has caught
+            # up and been named in the ISR again).
+            copies = sum(
+                1
+                for r in self.replicas.values()
+                if len(r.log) >= offset and r.log[offset - 1] == epoch
+            )
+            if copies + len(self.wiped) < self.isr_min:
+                raise Violation(
+                    f"rule 3: confirmed record {epoch}:{offset} is on {copies} disk(s), "
+                    f"fewer than the ISR minimum {self.isr_min}"
+                )
+        for n, left in list(self.wiped.items()):
+            if n not in self.record.isr:
+                self.wiped[n] = True
+            elif left:
+                del self.wiped[n]  # named again after catching up: in sync once more
+        for n in self.record.isr:
+            if n in self.wiped:
+                continue
+            log = self.replicas[n].log
+            for o, epoch in self.confirmed.items():
+                if len(log) < o or log[o - 1] != epoch:
+                    raise Violation(
+                        f"rule 3/4: ISR member {n} lacks confirmed record {epoch}:{o} "
+                        f"({self.record.describe()})"
+                    )
+        logs = [r.log for r in self.replicas.values()]
+        for i, a in enumerate(logs):
+            for b in logs[i + 1 :]:
+                common = [o for o in range(min(len(a), len(b))) if a[o] == b[o]]
+                if common and a[: common[-1] + 1] != b[: common[-1] + 1]:
+                    raise Violation("log matching: two logs agree on a record, not before it")
+
+    def run(self) -> None:
+        for _ in range(self.steps):
+            self.step(self.faults)
+        self.recover()
+
+    def recover(self) -> None:
+        """The faults stop: within bounded steps the cluster serves with every member in
+        sync, and a new write is confirmed."""
+        for n in self.names:
+            self.heal(n)
+        self.log("faults stop")
+        target = None
+        for _ in range(4000):
+            self.step(faults=False)
+            primary = self.replicas.get(self.record.holder or "")
+            settled = (
+                primary is not None
+                and primary.role is Role.PRIMARY
+                and self.record.isr == frozenset(self.names)
+                and primary.applied_version == self.record.version
+            )
+            if settled and primary is not None and target is None:
+                self.sends(primary.append())
+                target = (primary.epoch, len(primary.log))
+            if target and primary is not None and primary.epoch == target[0]:
+                if primary.confirmed >= target[1]:
+                    return
+            elif target:
+                target = None  # another failover; write again once it settles
+        raise Violation(f"no recovery after the faults stopped: {self.record.describe()}")

@@ -1,0 +1,90 @@
+"""The replication core's message handling, one rule at a time (the simulation checks them
+together)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.broker.replication import core
+from tandem.ha.model import ElectionRecord, Role
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs", "agree"),
+    [
+        ([], [], 0),
+        ([1, 1, 1], [], 0),
+        ([1, 1, 1], [1, 1, 1, 1], 3),
+        ([1, 1, 2, 2], [1, 1, 3], 2),  # diverged at offset 3
+        ([1, 1, 2, 2, 2], [1, 1, 2, 4], 3),  # epoch 2 ended earlier in theirs
+        ([1, 3, 3], [1, 2, 2, 3], 1),  # epoch 3 starts at different offsets
+        ([2, 2], [1, 1], 0),
+    ],
+)
+def test_agreement_by_epoch_boundaries(mine: list[int], theirs: list[int], agree: int) -> None:
+    got = core.agreement(core.boundaries(mine), len(mine), core.boundaries(theirs), len(theirs))
+    assert got == agree
+    assert mine[:got] == theirs[:got]
+    symmetric = core.agreement(
+        core.boundaries(theirs), len(theirs), core.boundaries(mine), len(mine)
+    )
+    assert symmetric == agree
+
+
+def pair() -> tuple[core.Replica, core.Replica]:
+    """A primary `a` at epoch 2 with `b` following it, synced."""
+    record = ElectionRecord("a", 2, frozenset("ab"), version=1)
+    a, b = core.Replica("a", epoch=2), core.Replica("b", epoch=2, incarnation=1)
+    a.control(core.Promote(record))
+    ((_, hello),) = b.control(core.Follow("a", 2))
+    ((_, sync),) = a.peer(hello)
+    ((_, ack),) = b.peer(sync)
+    a.peer(ack)
+    return a, b
+
+
+def test_a_record_is_confirmed_once_the_isr_has_it() -> None:
+    a, b = pair()
+    ((_, append),) = a.append()
+    assert a.confirmed == 0
+    ((_, ack),) = b.peer(append)
+    a.peer(ack)
+    assert a.confirmed == 1 and b.log == a.log == [2]
+
+
+def test_a_late_sync_cannot_truncate_a_follower() -> None:
+    _, b = pair()
+    late = core.Sync("a", 2, (1, 0), 0, ())
+    for _ in range(3):
+        b.peer(core.Append("a", 2, len(b.log) + 1, (2,)))
+    assert b.peer(late) == [] and b.log == [2, 2, 2]
+
+
+def test_a_lower_epoch_is_refused_and_a_higher_one_steps_the_primary_down() -> None:
+    a, b = pair()
+    assert b.peer(core.Append("x", 1, 1, (1,))) == [("x", core.Stale("b", 2))]
+    a.peer(core.Stale("b", 3))
+    assert a.role is Role.BACKUP and a.epoch == 3
+
+
+def test_an_ack_over_a_closed_connection_asks_to_rejoin() -> None:
+    a, b = pair()
+    a.disconnected("b")
+    ((_, ack),) = b.tick()  # b repeats its ack
+    assert a.peer(ack) == [("b", core.Rejoin("a", 2))]
+    ((dest, hello),) = b.peer(core.Rejoin("a", 2))
+    assert dest == "a" and isinstance(hello, core.Hello)
+
+
+def test_a_repeated_promotion_keeps_the_followers() -> None:
+    a, _ = pair()
+    a.control(core.Promote(ElectionRecord("a", 2, frozenset("ab"), version=1)))
+    assert "b" in a.peers and a.role is Role.PRIMARY
+
+
+def test_below_the_isr_minimum_the_primary_takes_no_writes() -> None:
+    a = core.Replica("a", epoch=2)
+    a.control(core.Promote(ElectionRecord("a", 2, frozenset("a"), version=1)))
+    assert not a.accepting
+    a.isr_min = 1
+    assert a.accepting
