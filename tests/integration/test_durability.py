@@ -117,6 +117,19 @@ def test_log_position_is_stable_across_restarts(broker_factory) -> None:  # type
     assert broker.status()["position"] > before
 
 
+def test_each_life_that_writes_is_a_new_epoch(broker: Broker) -> None:
+    # A restarted node starts a new term, so a record it writes can never share
+    # (epoch, offset) with one an earlier life wrote and lost.
+    epochs = []
+    for _ in range(3):
+        publish_confirmed(broker, "ep", 1)
+        epochs.append(broker.status()["epoch"])
+        broker.restart()
+    assert epochs[1] == epochs[0] + 1 and epochs[2] == epochs[1] + 1
+    lines = (broker.data_dir / "log" / "epochs").read_text().splitlines()
+    assert [int(line.split()[0]) for line in lines] == epochs
+
+
 def test_acked_messages_stay_gone_after_clean_restart(broker: Broker) -> None:
     publish_confirmed(broker, "gone", 20)
     assert len(consume_all(broker, "gone")) == 20

@@ -20,6 +20,7 @@ from tandem.broker import admin, server
 from tandem.broker.config import Config
 from tandem.broker.model import definitions
 from tandem.broker.model.broker import Broker
+from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.spec import UserSpec
 from tandem.broker.protocol import connection as conn_mod
 from tandem.broker.store.lock import DataDirLock
@@ -87,7 +88,8 @@ class Node:
             self.lock = DataDirLock(cfg.data_dir)
             self.lock.acquire(cfg.node_id)
             self.store = Store(cfg.data_dir, fsync=cfg.fsync, segment_bytes=cfg.segment_bytes)
-        self.broker = Broker(self.store)
+        self.sequencer = Sequencer(self.store)
+        self.broker = Broker(self.sequencer)
         self.limits = conn_mod.Limits(
             frame_max=cfg.frame_max,
             channel_max=cfg.channel_max,
@@ -274,7 +276,7 @@ class Node:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
         if self.store is not None:
-            result = self.store.open(self.broker, loop)
+            result = self.store.open(self.broker, self.sequencer, loop)
             self.store.on_write_error = lambda err: self.set_alarm(
                 "log", None if err is None else f"cannot write the log: {err}"
             )
@@ -285,6 +287,9 @@ class Node:
                 result.messages,
                 self.cfg.data_dir,
             )
+        # A lone node that (re)starts serving is a new primary term: nothing it records now
+        # can share a position with a record of an earlier life that did not reach the disk.
+        self.sequencer.begin_term(self.sequencer.epoch + 1)
         if self.definitions is not None:
             definitions.apply_entities(self.broker, self.definitions, str(self.cfg.definitions))
         cfg = self.cfg

@@ -1,60 +1,267 @@
-"""The Journal port: where the model records its changes, in log order.
+"""The Journal port, where the model records its changes, and the Sequencer that implements it.
 
-The store implements it on disk; `MemoryJournal` keeps only the position (a broker with no
-data dir, and tests of the model). Every change gets the next log offset, so the position
-counts the node's changes as DESIGN.md's log describes.
+Every change to replicated state becomes a record with its (epoch, offset), given by the one
+Sequencer of the node (DESIGN.md, "The log"). Each record says whether it is durable: the
+store (the `Disk` port) writes the durable ones; replication (the `Shipper` port) ships them
+all. A confirm waits, through `when_done`, until what it depends on is on disk and held by the
+in-sync set.
+
+Which changes take a position:
+- a durable one (a persistent message on a durable queue, a durable declaration) always;
+- on a node that ships (a cluster member), also every change to a queue replicated `all`
+  (transient messages and delivery marks included) and every declaration. A durable change to
+  a queue that is not replicated is shipped as a NOOP, so that positions stay the same on
+  every member.
+A lone node's transient changes take no position: nobody could ask for them.
+
+While the model replays records (recovery, or a backup applying the primary's stream), the
+Sequencer is `applying` and records nothing: the records already exist.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
+
+from tandem.broker.model import records
 
 if TYPE_CHECKING:
     from tandem.broker.model.message import Message
     from tandem.broker.model.queue import Queue
+
+log = logging.getLogger(__name__)
+
+Boundaries = tuple[tuple[int, int], ...]  # (epoch, first offset), in order
+
+NOOP_PAYLOAD = b""
 
 
 class Journal(Protocol):
     epoch: int
     offset: int
 
-    def define(self, vhost: str, op: str, body: dict[str, Any], durable: bool) -> None:
-        """A declaration, deletion, binding or unbinding; `durable` ones go to disk."""
+    @property
+    def shipping(self) -> bool:
+        """True on a cluster member: changes to replicated queues are shipped."""
+
+    def define(
+        self, vhost: str, op: str, body: dict[str, Any], durable: bool, replicated: bool = True
+    ) -> None:
+        """A declaration, deletion, binding or unbinding."""
 
     def enqueue(self, queue: Queue, msg: Message) -> None:
-        """A persistent message entered a durable queue; sets msg.mid on first enqueue."""
+        """A message entered a queue; sets msg.mid on its first record."""
 
     def dequeue(self, queue: Queue, msg: Message) -> None:
-        """A persistent message left a durable queue for good (ack, drop, purge)."""
+        """A message left a queue for good (ack, drop, expiry, purge)."""
 
-    def when_synced(self, callback: Callable[[], None]) -> None:
-        """Call back once everything journaled so far is on disk."""
+    def mark(self, queue: Queue, msg: Message) -> None:
+        """A message was delivered to a consumer and awaits its ack."""
+
+    def must_wait(self, queue: Queue, msg: Message) -> bool:
+        """True when a confirm of msg on queue waits for `when_done`."""
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        """Call back once everything recorded so far is on disk and held by the ISR."""
 
     def dirty(self) -> bool:
-        """True when something journaled is not yet on disk."""
+        """True when something recorded is not yet done."""
 
 
-class MemoryJournal:
-    """Positions only; nothing is kept. Used when the node has no store."""
+class Disk(Protocol):
+    """The store, as the Sequencer sees it."""
 
-    def __init__(self) -> None:
+    @property
+    def synced(self) -> int:
+        """Every durable record up to this offset is on disk."""
+
+    def write(self, rtype: int, offset: int, data: bytes, key: tuple[str, str, int] | None) -> None:
+        """Append a durable record's frame; `key` names the message of an enqueue or dequeue."""
+
+    def forget_queue(self, vhost: str, queue: str) -> None:
+        """A durable queue was deleted: its messages are no longer live."""
+
+    def boundary(self, epoch: int, first: int) -> None:
+        """The log's first record of `epoch` is at `first` (kept for truncation)."""
+
+
+class Shipper(Protocol):
+    """Replication, as the Sequencer sees it."""
+
+    held: int  # every shipped record up to this offset is held by the ISR
+
+    def ship(self, data: bytes, offset: int) -> None:
+        """Send a record's frame to the followers."""
+
+
+class Sequencer:
+    """Implements the Journal port: gives each change its (epoch, offset) and hands the
+    record to the disk and to replication."""
+
+    def __init__(self, disk: Disk | None = None) -> None:
         self.epoch = 1
         self.offset = 0
+        self.boundaries: list[tuple[int, int]] = []
+        self.disk = disk
+        self.shipper: Shipper | None = None
+        self.applying = False
+        self.last_durable = 0  # offset of the last durable record handed to the disk
+        self.last_shipped = 0
+        self.waiters: collections.deque[tuple[int, int, Callable[[], None]]] = collections.deque()
 
-    def define(self, vhost: str, op: str, body: dict[str, Any], durable: bool) -> None:
+    @property
+    def shipping(self) -> bool:
+        return self.shipper is not None
+
+    # -- positions and epochs --
+
+    def begin_term(self, epoch: int) -> None:
+        """This node produces records in `epoch` from now on (a new primary term)."""
+        self.epoch = epoch
+
+    def _next(self) -> int:
         self.offset += 1
+        if not self.boundaries or self.boundaries[-1][0] != self.epoch:
+            self.boundaries.append((self.epoch, self.offset))
+            if self.disk is not None:
+                self.disk.boundary(self.epoch, self.offset)
+        return self.offset
+
+    def follow(self, epoch: int, offset: int) -> None:
+        """A record (epoch, offset) made elsewhere was applied here (a backup, recovery)."""
+        if not self.boundaries or self.boundaries[-1][0] != epoch:
+            self.boundaries.append((epoch, offset))
+        self.epoch = max(self.epoch, epoch)
+        self.offset = max(self.offset, offset)
+
+    def reset(self, boundaries: Boundaries, offset: int) -> None:
+        """The log was replaced (a backup took a full copy)."""
+        self.boundaries = list(boundaries)
+        self.offset = offset
+        if boundaries:
+            self.epoch = max(self.epoch, boundaries[-1][0])
+
+    # -- the Journal port --
+
+    def define(
+        self, vhost: str, op: str, body: dict[str, Any], durable: bool, replicated: bool = True
+    ) -> None:
+        if self.applying:
+            return
+        shipped = self.shipper is not None
+        if not durable and not (shipped and replicated):
+            return
+        if durable and op == "queue.delete" and self.disk is not None:
+            self.disk.forget_queue(vhost, body["name"])
+        self._record(records.DEFINE, records.define(vhost, op, body), durable, replicated, None)
 
     def enqueue(self, queue: Queue, msg: Message) -> None:
-        self.offset += 1
+        if self.applying:
+            return
+        durable = msg.persistent and queue.durable
+        replicated = queue.replicate == "all"
+        if not durable and not (replicated and self.shipper is not None):
+            return
+        offset = self._next()
         if not msg.mid:
-            msg.mid = self.offset
+            msg.mid = offset
+        vh = queue.vhost.name
+        self._emit(
+            records.ENQUEUE,
+            offset,
+            records.enqueue(vh, queue.name, msg),
+            durable,
+            replicated,
+            (vh, queue.name, msg.mid),
+        )
 
     def dequeue(self, queue: Queue, msg: Message) -> None:
-        self.offset += 1
+        if self.applying:
+            return
+        durable = msg.persistent and queue.durable
+        replicated = queue.replicate == "all"
+        if not durable and not (replicated and self.shipper is not None):
+            return
+        vh = queue.vhost.name
+        self._record(
+            records.DEQUEUE,
+            records.key(vh, queue.name, msg.mid),
+            durable,
+            replicated,
+            (vh, queue.name, msg.mid),
+        )
 
-    def when_synced(self, callback: Callable[[], None]) -> None:
-        callback()
+    def mark(self, queue: Queue, msg: Message) -> None:
+        if self.applying or self.shipper is None or queue.replicate != "all":
+            return
+        self._record(
+            records.MARK, records.key(queue.vhost.name, queue.name, msg.mid), False, True, None
+        )
+
+    def checkpoint(self, body: dict[str, Any]) -> int:
+        """An audit marker in the replicated stream; returns its offset."""
+        self._record(records.CHECKPOINT, records.define("", "checkpoint", body), False, True, None)
+        return self.offset
+
+    def must_wait(self, queue: Queue, msg: Message) -> bool:
+        return (msg.persistent and queue.durable) or (
+            self.shipper is not None and queue.replicate == "all"
+        )
+
+    def _record(
+        self,
+        rtype: int,
+        payload: bytes,
+        durable: bool,
+        replicated: bool,
+        key: tuple[str, str, int] | None,
+    ) -> None:
+        self._emit(rtype, self._next(), payload, durable, replicated, key)
+
+    def _emit(
+        self,
+        rtype: int,
+        offset: int,
+        payload: bytes,
+        durable: bool,
+        replicated: bool,
+        key: tuple[str, str, int] | None,
+    ) -> None:
+        data = records.frame(rtype, self.epoch, offset, payload, durable)
+        if durable and self.disk is not None:
+            self.disk.write(rtype, offset, data, key)
+            self.last_durable = offset
+        if self.shipper is not None:
+            if not replicated:
+                data = records.frame(records.NOOP, self.epoch, offset, NOOP_PAYLOAD, False)
+            self.shipper.ship(data, offset)
+            self.last_shipped = offset
+
+    # -- completion --
+
+    def _done(self, need_disk: int, need_held: int) -> bool:
+        disk, shipper = self.disk, self.shipper
+        return (disk is None or disk.synced >= need_disk) and (
+            shipper is None or shipper.held >= need_held
+        )
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        if not self.waiters and self._done(self.last_durable, self.last_shipped):
+            callback()
+        else:
+            self.waiters.append((self.last_durable, self.last_shipped, callback))
 
     def dirty(self) -> bool:
-        return False
+        return bool(self.waiters) or not self._done(self.last_durable, self.last_shipped)
+
+    def progress(self) -> None:
+        """The disk synced or the ISR acked more: call back the waiters that are done."""
+        waiters = self.waiters
+        while waiters and self._done(waiters[0][0], waiters[0][1]):
+            callback = waiters.popleft()[2]
+            try:
+                callback()
+            except Exception:
+                log.exception("unexpected error, please report it as a bug: a done callback")

@@ -76,6 +76,20 @@ class PriorityBuffer:
         for level in self.levels:
             level.clear()
 
+    def insert_by_mid(self, msg: Message) -> None:
+        insert_by_mid(self._level(msg), msg)
+
+    def remove(self, msg: Message) -> None:
+        self._level(msg).remove(msg)
+
+
+def insert_by_mid(messages: collections.deque[Message], msg: Message) -> None:
+    """Insert in message-id order (appending, in the common case)."""
+    i = len(messages)
+    while i and messages[i - 1].mid > msg.mid:
+        i -= 1
+    messages.insert(i, msg)
+
 
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 # Arguments whose values must match on redeclare; RabbitMQ ignores the ones it does not know.
@@ -157,6 +171,8 @@ class Queue:
         self.timed = self.ttl is not None
         # RabbitMQ's single active consumer: only the longest-standing consumer is served.
         self.single_active = bool(args.get("x-single-active-consumer", False))
+        # While records are applied (recovery, a backup): the messages by id.
+        self.index: dict[int, Message] | None = None
         # Counters for metrics.
         self.published = 0
         self.delivered = 0
@@ -210,8 +226,9 @@ class Queue:
                 self._drop(msg, "expired")
                 return True
             self.timed = True
-        if self.persists(msg):
-            self.vhost.journal.enqueue(self, msg)
+        journal = self.vhost.journal
+        if (msg.persistent and self.durable) or journal.shipping:
+            journal.enqueue(self, msg)
         messages = self.messages
         if self.consumers and not messages:
             consumers = self.consumers
@@ -293,6 +310,8 @@ class Queue:
         self.delivered += 1
         if not c.no_ack:
             self.unacked += 1
+            if self.vhost.journal.shipping:
+                self.vhost.journal.mark(self, msg)
         c.deliver(self, msg)
         if c.no_ack:
             self._forget(msg)
@@ -306,6 +325,8 @@ class Queue:
         msg = self.messages.popleft()
         self.bytes -= msg.body_size
         self.delivered += 1
+        if self.vhost.journal.shipping:
+            self.vhost.journal.mark(self, msg)
         return msg
 
     def settle(self, msg: Message) -> None:
@@ -345,8 +366,9 @@ class Queue:
             self.requeue(msg)
 
     def _forget(self, msg: Message) -> None:
-        if self.persists(msg):
-            self.vhost.journal.dequeue(self, msg)
+        journal = self.vhost.journal
+        if (msg.persistent and self.durable) or journal.shipping:
+            journal.dequeue(self, msg)
         msg.refs -= 1
 
     def _drop(self, msg: Message, reason: str) -> None:
@@ -381,6 +403,54 @@ class Queue:
         self.messages.clear()
         self.bytes = 0
         return count
+
+    # -- applying records (model/apply.py) ----------------------------------------------
+
+    def _index(self) -> dict[int, Message]:
+        if self.index is None:
+            self.index = {m.mid: m for m in self.messages}
+        return self.index
+
+    def restore(self, msg: Message) -> None:
+        """A message the log says entered this queue, placed by its id; once only."""
+        index = self._index()
+        if msg.mid in index:
+            return
+        index[msg.mid] = msg
+        msg.refs += 1
+        messages = self.messages
+        if isinstance(messages, PriorityBuffer):
+            messages.insert_by_mid(msg)
+        else:
+            insert_by_mid(messages, msg)
+        self.bytes += msg.body_size
+        if msg.expiration is not None or self.ttl is not None:
+            self.timed = True
+
+    def remove(self, mid: int) -> None:
+        """A message the log says left this queue."""
+        msg = self._index().pop(mid, None)
+        if msg is None:
+            return
+        messages = self.messages
+        if messages[0] is msg:
+            messages.popleft()
+        else:
+            messages.remove(msg)
+        self.bytes -= msg.body_size
+        msg.refs -= 1
+
+    def holds(self, mid: int) -> bool:
+        return mid in self._index()
+
+    def mark(self, mid: int) -> None:
+        """A message the log says was delivered: after failover it goes out redelivered."""
+        msg = self._index().get(mid)
+        if msg is not None:
+            msg.redelivered = True
+
+    def end_apply(self) -> None:
+        self.index = None
 
     # -- consumers ---------------------------------------------------------------------
 

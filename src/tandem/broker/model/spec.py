@@ -132,7 +132,8 @@ def describe(exc: ValidationError, source: str = "", at: tuple[int | str, ...] =
         if kind in ("missing", "extra_forbidden") and path:
             field = path.pop()
             where = _where(path)
-            what = f"'{field}' is required" if kind == "missing" else f"unknown setting '{field}'"
+            name = _quoted(field)
+            what = f"{name} is required" if kind == "missing" else f"unknown setting {name}"
             parts.append(f"{where}: {what}" if where else what)
             continue
         value = err.get("input")
@@ -151,8 +152,16 @@ def describe(exc: ValidationError, source: str = "", at: tuple[int | str, ...] =
     return f"{source}: {text}" if source else text
 
 
+def _quoted(name: int | str) -> str:
+    """A key as the user typed it, on one line (a key may hold any character in YAML)."""
+    text = str(name)
+    return f"'{text}'" if text.isprintable() else repr(text)
+
+
 def _where(path: list[int | str]) -> str:
     loc = ""
     for item in path:
+        if not isinstance(item, int) and not str(item).isprintable():
+            item = repr(str(item))
         loc += f"[{item}]" if isinstance(item, int) else (f".{item}" if loc else str(item))
     return loc

@@ -27,6 +27,12 @@ STANDARD_EXCHANGES = (
 )
 
 
+def _replicated(b: Binding) -> bool:
+    """A binding replicates unless its destination is a queue that does not."""
+    dest = b.destination
+    return not isinstance(dest, Queue) or dest.replicate != "none"
+
+
 def monotonic_ms() -> int:
     return int(time.monotonic() * 1000)
 
@@ -167,7 +173,9 @@ class VirtualHost:
         )
         self.queues[name] = q
         if q.replicate != "none" or durable:
-            self.journal.define(self.name, "queue.declare", self.queue_body(q), durable)
+            self.journal.define(
+                self.name, "queue.declare", self.queue_body(q), durable, q.replicate != "none"
+            )
         # Every queue is bound to the default exchange by its name (implicitly, by lookup).
         return q, True
 
@@ -194,7 +202,9 @@ class VirtualHost:
                     self._unbind(b)
         self.queues.pop(q.name, None)
         q.on_deleted()
-        self.journal.define(self.name, "queue.delete", {"name": q.name}, q.durable)
+        self.journal.define(
+            self.name, "queue.delete", {"name": q.name}, q.durable, q.replicate != "none"
+        )
         return count
 
     # -- bindings ----------------------------------------------------------------------
@@ -210,7 +220,7 @@ class VirtualHost:
         ex = b.source
         if ex.bind(b):
             durable = ex.durable and destination.durable
-            self.journal.define(self.name, "bind", self.binding_body(b), durable)
+            self.journal.define(self.name, "bind", self.binding_body(b), durable, _replicated(b))
 
     def _binding(
         self,
@@ -253,7 +263,11 @@ class VirtualHost:
         if ex.unbind(b) is None:
             return
         self.journal.define(
-            self.name, "unbind", self.binding_body(b), ex.durable and b.destination.durable
+            self.name,
+            "unbind",
+            self.binding_body(b),
+            ex.durable and b.destination.durable,
+            _replicated(b),
         )
         if ex.auto_delete and not ex.bindings and not ex.deleted:
             self.remove_exchange(ex)

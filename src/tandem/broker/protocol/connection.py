@@ -218,7 +218,7 @@ class Channel:
         """Queue a reply that may go out only once the journal has synced."""
         entry: list[Any] = [False, data]
         self.held.append(entry)
-        self.conn.broker.journal.when_synced(functools.partial(self._held_ready, entry))
+        self.conn.broker.journal.when_done(functools.partial(self._held_ready, entry))
 
     def _held_ready(self, entry: list[Any]) -> None:
         entry[0] = True
@@ -471,7 +471,7 @@ class Connection:
             for ch in self.sync_channels:
                 seqs = ch.awaiting_sync
                 ch.awaiting_sync = []
-                journal.when_synced(functools.partial(ch.synced, seqs))
+                journal.when_done(functools.partial(ch.synced, seqs))
             self.sync_channels.clear()
         if self.dirty_queues:
             self._dispatch_dirty()
@@ -1272,10 +1272,11 @@ class Connection:
         stored = False
         refused = False
         if queues:
+            journal = ch.vhost.journal
             for q in queues:
                 if not q.enqueue(msg):
                     refused = True
-                elif msg.persistent and q.durable:
+                elif journal.must_wait(q, msg):
                     stored = True
         elif mandatory:
             self._return(ch, msg, 312, "NO_ROUTE")

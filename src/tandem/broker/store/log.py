@@ -1,18 +1,20 @@
 """The node's log on disk: segmented, checksummed, group-committed.
 
-Layout: `<data_dir>/log/<first offset, 20 digits>.seg`. A record is
+Layout: `<data_dir>/log/<segment number, 20 digits>.seg`, each a run of record frames
+(`tandem.broker.model.records`), and `<data_dir>/log/epochs`, one line "epoch first-offset"
+per epoch the log holds records of (Kafka's leader-epoch checkpoint), kept for truncation.
 
-    magic "TL" | length u32 | crc32 u32 | type u8 | epoch u32 | offset u64 | payload
+The Sequencer hands the store the frames of durable records in log order (the `Disk` port);
+they go into a pending buffer, and a single writer thread writes and fsyncs a whole batch at a
+time (group commit), then tells the Sequencer on the loop, which releases confirms and
+tx.commit-ok.
 
-and the crc covers everything after it. Records are appended in log order by the event loop
-into a pending buffer; a single writer thread writes and fsyncs a whole batch at a time (group
-commit), then calls back on the loop (confirms, tx.commit-ok). Every change advances the
-offset; only changes to durable state are written.
-
-Compaction: a new segment starts with a snapshot of the durable definitions, so a segment is
-needed only for the persistent messages still alive in it. The oldest segments are deleted once
-they hold no live message; when the log holds more than `max_segments`, the live messages of
-the oldest are appended again (same message id, so order is kept) and it is deleted.
+Housekeeping takes no position: a new segment starts with a SNAPSHOT of the durable
+definitions stamped with the current position, so a segment is needed only for the persistent
+messages still alive in it. The oldest segments are deleted once they hold no live message;
+when the log holds more than `max_segments`, the live messages of the oldest are written again
+as they were (same frame, same position) and it is deleted. Recovery replays the segments in
+order through the model's one apply path.
 """
 
 from __future__ import annotations
@@ -22,82 +24,20 @@ import collections
 import json
 import logging
 import os
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from tandem.broker.model import apply, records
 from tandem.broker.model.broker import Broker
-from tandem.broker.model.message import Message
-from tandem.broker.model.queue import Queue
+from tandem.broker.model.journal import Sequencer
+from tandem.broker.model.records import Corruption
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"TL"
-REC_HDR = struct.Struct(">2sII")  # magic, length of the rest, crc32 of the rest
-REC_META = struct.Struct(">BIQ")  # type, epoch, offset
-STR16 = struct.Struct(">H")
-U32 = struct.Struct(">I")
-U64 = struct.Struct(">Q")
-MAX_RECORD = 1 << 31
-
-DEFINE = 1
-ENQUEUE = 2
-DEQUEUE = 3
-SNAPSHOT = 4  # a DEFINE whose body is every durable definition at this point
-
-
-def _str(value: str) -> bytes:
-    raw = value.encode()
-    return STR16.pack(len(raw)) + raw
-
-
-def _bytes(value: bytes) -> bytes:
-    return U32.pack(len(value)) + value
-
-
-class _Reader:
-    __slots__ = ("data", "pos")
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.pos = 0
-
-    def str(self) -> str:
-        (n,) = STR16.unpack_from(self.data, self.pos)
-        self.pos += 2 + n
-        return self.data[self.pos - n : self.pos].decode()
-
-    def bytes(self) -> bytes:
-        (n,) = U32.unpack_from(self.data, self.pos)
-        self.pos += 4 + n
-        if self.pos > len(self.data):
-            raise ValueError("truncated field")
-        return self.data[self.pos - n : self.pos]
-
-    def u64(self) -> int:
-        (v,) = U64.unpack_from(self.data, self.pos)
-        self.pos += 8
-        return int(v)
-
-
-def encode_record(rtype: int, epoch: int, offset: int, payload: bytes) -> bytes:
-    rest = REC_META.pack(rtype, epoch, offset) + payload
-    return REC_HDR.pack(MAGIC, len(rest), zlib.crc32(rest)) + rest
-
-
-@dataclass(slots=True)
-class Corruption:
-    path: Path
-    offset: int
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.path} at byte {self.offset}: {self.reason}"
+Key = tuple[str, str, int]  # (vhost, queue, message id)
 
 
 @dataclass(slots=True)
@@ -106,82 +46,22 @@ class Recovered:
     messages: int = 0
     truncated: list[str] = field(default_factory=list)
     corrupt: list[Corruption] = field(default_factory=list)
-
-
-def scan_segment(
-    path: Path, last: bool
-) -> tuple[list[tuple[int, int, int, bytes]], int, list[Corruption], int | None]:
-    """Read a segment's records: (type, epoch, offset, payload) in order.
-
-    Returns the records, the byte length of the valid data, the corrupt spots skipped, and,
-    for the last segment, where a torn tail starts (None if there is none).
-    """
-    data = path.read_bytes()
-    records: list[tuple[int, int, int, bytes]] = []
-    corrupt: list[Corruption] = []
-    pos = 0
-    n = len(data)
-    good_end = 0
-    while pos < n:
-        problem = None
-        if n - pos < REC_HDR.size:
-            problem = "truncated record header"
-        else:
-            magic, length, crc = REC_HDR.unpack_from(data, pos)
-            end = pos + REC_HDR.size + length
-            if magic != MAGIC:
-                problem = "bad record magic"
-            elif length < REC_META.size or length > MAX_RECORD:
-                problem = f"bad record length {length}"
-            elif end > n:
-                problem = "record runs past the end of the file"
-            else:
-                rest = data[pos + REC_HDR.size : end]
-                if zlib.crc32(rest) != crc:
-                    problem = "checksum mismatch"
-                else:
-                    rtype, epoch, offset = REC_META.unpack_from(rest, 0)
-                    records.append((rtype, epoch, offset, rest[REC_META.size :]))
-                    pos = end
-                    good_end = end
-                    continue
-        # Look for the next record that checks out; none means the rest is a torn tail.
-        nxt = _next_valid(data, pos + 1)
-        if nxt is None:
-            return records, good_end, corrupt, (good_end if last else None)
-        corrupt.append(Corruption(path, pos, problem))
-        pos = nxt
-    return records, good_end, corrupt, None
-
-
-def _next_valid(data: bytes, start: int) -> int | None:
-    n = len(data)
-    pos = data.find(MAGIC, start)
-    while pos != -1:
-        if n - pos >= REC_HDR.size:
-            _m, length, crc = REC_HDR.unpack_from(data, pos)
-            end = pos + REC_HDR.size + length
-            if (
-                REC_META.size <= length <= MAX_RECORD
-                and end <= n
-                and zlib.crc32(data[pos + REC_HDR.size : end]) == crc
-            ):
-                return pos
-        pos = data.find(MAGIC, pos + 1)
-    return None
+    set_aside: list[str] = field(default_factory=list)
 
 
 class _Batch:
-    __slots__ = ("callbacks", "chunks", "deletes")
+    __slots__ = ("callbacks", "chunks", "deletes", "epochs", "through")
 
     def __init__(self) -> None:
         self.chunks: list[tuple[int, bytes]] = []  # (segment, bytes)
         self.callbacks: list[Callable[[], None]] = []
         self.deletes: list[int] = []
+        self.epochs: list[tuple[int, int]] = []  # boundaries to add to the epochs file
+        self.through = 0  # every durable record up to this offset is in this batch or before
 
 
 class Store:
-    """Implements the model's Journal port on disk."""
+    """Implements the Sequencer's Disk port."""
 
     def __init__(
         self,
@@ -195,18 +75,18 @@ class Store:
         self.fsync = fsync
         self.segment_bytes = segment_bytes
         self.max_segments = max_segments
-        self.epoch = 1
-        self.offset = 0
         self.broker: Broker | None = None
-        self.recovering = False
+        self.sequencer: Sequencer | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.segments: collections.OrderedDict[int, int] = collections.OrderedDict()  # live
-        self.active = 0  # first offset of the active segment
+        self.active = 0  # number of the active segment
         self.active_size = 0
-        self.where: dict[tuple[str, str, int], int] = {}  # (vhost, queue, mid) -> segment
+        self.where: dict[Key, int] = {}  # live message -> segment
         self.pending = _Batch()
         self.inflight: _Batch | None = None
         self.flush_scheduled = False
+        self.handed = 0  # offset of the last durable record handed to the store
+        self._synced = 0
         self.write_error: OSError | None = None
         self.on_write_error: Callable[[OSError | None], None] = lambda err: None
         self.fds: dict[int, int] = {}
@@ -215,64 +95,36 @@ class Store:
         self.fsync_seconds: Callable[[float], None] = lambda s: None
         self.sizes: dict[int, int] = {}  # bytes of each segment known to be written
 
-    # -- the Journal port --
+    # -- the Disk port --
 
-    # While recovering, the model replays the log through this port: nothing is new, so
-    # nothing advances the position or is written again.
+    @property
+    def synced(self) -> int:
+        if not self.pending.chunks and self.inflight is None:
+            return self.handed
+        return self._synced
 
-    def define(self, vhost: str, op: str, body: dict[str, Any], durable: bool) -> None:
-        if self.recovering:
-            return
-        self.offset += 1
-        if op == "queue.delete" and durable:
-            self._forget_queue(vhost, body["name"])
-        if durable:
-            payload = json.dumps(
-                {"vhost": vhost, "op": op, "body": body}, separators=(",", ":")
-            ).encode()
-            self._append(encode_record(DEFINE, self.epoch, self.offset, payload))
+    def write(self, rtype: int, offset: int, data: bytes, key: Key | None) -> None:
+        self.handed = max(self.handed, offset)
+        if rtype == records.ENQUEUE and key is not None:
+            self.where[key] = self.active
+            self.segments[self.active] += 1
+        elif rtype == records.DEQUEUE and key is not None:
+            seg = self.where.pop(key, None)
+            if seg is None:
+                return  # its enqueue is gone from the log: nothing to cancel
+            self.segments[seg] -= 1
+        self._append(data)
 
-    def enqueue(self, queue: Queue, msg: Message) -> None:
-        if self.recovering:
-            return
-        self.offset += 1
-        if not msg.mid:
-            msg.mid = self.offset
-        self._write_enqueue(queue.vhost.name, queue.name, msg)
-
-    def _write_enqueue(self, vhost: str, queue: str, msg: Message) -> None:
-        payload = b"".join(
-            (
-                _str(vhost),
-                _str(queue),
-                U64.pack(msg.mid),
-                _bytes(msg.route),
-                _bytes(msg.props),
-                _bytes(msg.body_bytes()),
-            )
-        )
-        self._append(encode_record(ENQUEUE, self.epoch, self.offset, payload))
-        self.where[(vhost, queue, msg.mid)] = self.active
-        self.segments[self.active] += 1
-
-    def _forget_queue(self, vhost: str, queue: str) -> None:
-        """A deleted queue's messages are no longer live: their segments can go."""
+    def forget_queue(self, vhost: str, queue: str) -> None:
         for key in [k for k in self.where if k[0] == vhost and k[1] == queue]:
             self.segments[self.where.pop(key)] -= 1
 
-    def dequeue(self, queue: Queue, msg: Message) -> None:
-        if self.recovering:
-            return
-        self.offset += 1
-        key = (queue.vhost.name, queue.name, msg.mid)
-        seg = self.where.pop(key, None)
-        if seg is None:
-            return
-        self.segments[seg] -= 1
-        payload = _str(key[0]) + _str(key[1]) + U64.pack(msg.mid)
-        self._append(encode_record(DEQUEUE, self.epoch, self.offset, payload))
+    def boundary(self, epoch: int, first: int) -> None:
+        self.pending.epochs.append((epoch, first))
+        self._schedule()
 
     def when_synced(self, callback: Callable[[], None]) -> None:
+        """Call back once everything handed so far is on disk."""
         if self.pending.chunks:
             self.pending.callbacks.append(callback)
         elif self.inflight is not None and self.inflight.chunks:
@@ -280,31 +132,32 @@ class Store:
         else:
             callback()
 
-    def dirty(self) -> bool:
-        return bool(self.pending.chunks) or self.inflight is not None
-
     # -- appending and the writer --
 
-    def _append(self, record: bytes) -> None:
-        self.pending.chunks.append((self.active, record))
-        self.active_size += len(record)
-        if not self.flush_scheduled and self.loop is not None:
-            self.flush_scheduled = True
-            self.loop.call_soon(self._flush)
+    def _append(self, data: bytes) -> None:
+        self.pending.chunks.append((self.active, data))
+        self.active_size += len(data)
+        self._schedule()
         if self.active_size >= self.segment_bytes:
             self._roll()
 
+    def _schedule(self) -> None:
+        if not self.flush_scheduled and self.loop is not None:
+            self.flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
     def _roll(self) -> None:
-        """Start a new segment, beginning with a snapshot of the durable definitions (a record
-        of its own, with its own offset, that names the segment)."""
-        self.offset += 1
-        self.active = self.offset
+        """Start a new segment, beginning with a snapshot of the durable definitions stamped
+        with the current position (it takes none of its own)."""
+        self.active += 1
         self.segments[self.active] = 0
         self.active_size = 0
-        snapshot = json.dumps(self._definitions(), separators=(",", ":")).encode()
-        record = encode_record(SNAPSHOT, self.epoch, self.offset, snapshot)
-        self.pending.chunks.append((self.active, record))
-        self.active_size += len(record)
+        epoch = self.sequencer.epoch if self.sequencer is not None else 0
+        body = apply.durable_definitions(self.broker) if self.broker is not None else {}
+        snapshot = json.dumps(body, separators=(",", ":")).encode()
+        data = records.frame(records.SNAPSHOT, epoch, self.handed, snapshot)
+        self.pending.chunks.append((self.active, data))
+        self.active_size += len(data)
 
     def _compact(self) -> None:
         """Delete the oldest segments that hold no live message; carry forward the live
@@ -326,49 +179,30 @@ class Store:
             self.pending.deletes.append(seg)
 
     def _carry_forward(self, seg: int) -> None:
-        """Append again the records of the live messages (ready or unacked) of a segment."""
-        records, _end, _corrupt, _torn = scan_segment(self._path(seg), False)
+        """Write again, as they were, the enqueue records of a segment's live messages."""
+        found, _end, _corrupt, _torn = records.scan(self._path(seg).read_bytes(), str(seg))
         moved = 0
-        for rtype, _epoch, _offset, payload in records:
-            if rtype != ENQUEUE:
+        for rtype, epoch, offset, payload in found:
+            if rtype != records.ENQUEUE:
                 continue
-            r = _Reader(payload)
-            key = (r.str(), r.str(), r.u64())
+            vhost, queue, mid = records.read_key(payload)
+            key = (vhost, queue, mid)
             if self.where.get(key) != seg:
                 continue
-            self.offset += 1
-            self._append(encode_record(ENQUEUE, self.epoch, self.offset, payload))
             self.where[key] = self.active
             self.segments[self.active] += 1
+            self._append(records.frame(records.ENQUEUE, epoch, offset, payload))
             moved += 1
         log.info("compaction: carried %d live messages out of segment %d", moved, seg)
         self.segments[seg] = 0
 
-    def _definitions(self) -> dict[str, Any]:
-        if self.broker is None:
-            return {}
-        out: dict[str, Any] = {"vhosts": {}}
-        for vh in self.broker.vhosts.values():
-            out["vhosts"][vh.name] = {
-                "exchanges": [
-                    vh.exchange_body(e)
-                    for e in vh.exchanges.values()
-                    if e.durable and e.name and not e.name.startswith("amq.")
-                ],
-                "queues": [vh.queue_body(q) for q in vh.queues.values() if q.durable],
-                "bindings": [
-                    vh.binding_body(b)
-                    for b in vh.bindings()
-                    if b.source.durable and b.destination.durable
-                ],
-            }
-        return out
-
     def _flush(self) -> None:
         self.flush_scheduled = False
-        if self.inflight is not None or not (self.pending.chunks or self.pending.deletes):
+        pending = self.pending
+        if self.inflight is not None or not (pending.chunks or pending.deletes or pending.epochs):
             return
-        batch, self.pending = self.pending, _Batch()
+        batch, self.pending = pending, _Batch()
+        batch.through = self.handed
         self.inflight = batch
         assert self.loop is not None
         fut = self.loop.run_in_executor(None, self._write_batch, batch)
@@ -376,6 +210,8 @@ class Store:
 
     def _write_batch(self, batch: _Batch) -> float:
         with self.lock:
+            if batch.epochs:
+                self._write_epochs(batch.epochs)
             touched: dict[int, int] = {}
             groups: dict[int, list[bytes]] = {}
             for seg, data in batch.chunks:
@@ -398,12 +234,19 @@ class Store:
             for seg in batch.deletes:
                 fd_or_none = self.fds.pop(seg, None)
                 if fd_or_none is not None:
-                    fd = fd_or_none
-                    os.close(fd)
+                    os.close(fd_or_none)
                 path = self._path(seg)
                 if path.exists():
                     path.unlink()
             return took
+
+    def _write_epochs(self, added: list[tuple[int, int]]) -> None:
+        path = self.dir / "epochs"
+        with open(path, "a") as f:
+            f.write("".join(f"{e} {o}\n" for e, o in added))
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
 
     def _written(self, batch: _Batch, fut: asyncio.Future[float]) -> None:
         exc = fut.exception()
@@ -424,6 +267,7 @@ class Store:
             self.pending.chunks[:0] = self._unwritten(batch)
             self.pending.callbacks[:0] = batch.callbacks
             self.pending.deletes[:0] = batch.deletes
+            self.pending.epochs[:0] = batch.epochs
             self.inflight = None
             self.loop.call_later(1.0, self._retry)
             return
@@ -432,6 +276,7 @@ class Store:
             self.write_error = None
             self.on_write_error(None)
         self.inflight = None
+        self._synced = max(self._synced, batch.through)
         self.synced_batches += 1
         self.fsync_seconds(fut.result())
         for cb in batch.callbacks:
@@ -439,9 +284,11 @@ class Store:
                 cb()
             except Exception:
                 log.exception("unexpected error, please report it as a bug: sync callback")
+        if self.sequencer is not None:
+            self.sequencer.progress()
         if len(self.segments) > 1:
             self._compact()
-        if self.pending.chunks or self.pending.deletes:
+        if self.pending.chunks or self.pending.deletes or self.pending.epochs:
             self._flush()
 
     def _unwritten(self, batch: _Batch) -> list[tuple[int, bytes]]:
@@ -478,175 +325,129 @@ class Store:
 
     # -- open and recover --
 
-    def open(self, broker: Broker, loop: asyncio.AbstractEventLoop) -> Recovered:
-        """Recover the broker's durable state from the log, then start appending."""
-        self.broker = broker
-        self.loop = loop
+    def open(
+        self,
+        broker: Broker,
+        sequencer: Sequencer,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        stop_at_corrupt: bool = False,
+    ) -> Recovered:
+        """Recover the broker's state from the log through the apply path, then start
+        appending. A lone node skips a corrupt record and says so; a cluster member
+        (`stop_at_corrupt`) keeps the log up to it, sets the rest aside and takes it from
+        the primary."""
+        self.broker, self.sequencer, self.loop = broker, sequencer, loop
         self.dir.mkdir(parents=True, exist_ok=True)
         result = Recovered()
         paths = sorted(self.dir.glob("*.seg"))
-        live: dict[tuple[str, str, int], tuple[int, bytes, bytes, bytes]] = {}
-        self.recovering = True
+        live: dict[Key, int] = {}
+        epochs = self._read_epochs()
+        sequencer.applying = True
         try:
             for i, path in enumerate(paths):
                 seg = int(path.stem)
-                records, _good_end, corrupt, torn = scan_segment(path, i == len(paths) - 1)
-                for c in corrupt:
-                    log.error("corrupt record in the log, skipped: %s", c)
-                result.corrupt.extend(corrupt)
-                if torn is not None and torn < path.stat().st_size:
-                    log.warning(
-                        "cutting a torn tail off %s at byte %d (%d bytes)",
-                        path,
-                        torn,
-                        path.stat().st_size - torn,
-                    )
-                    with open(path, "r+b") as f:
-                        f.truncate(torn)
-                    result.truncated.append(f"{path}@{torn}")
                 self.segments[seg] = 0
-                for rtype, epoch, offset, payload in records:
-                    self.epoch = max(self.epoch, epoch)
-                    self.offset = max(self.offset, offset)
-                    result.records += 1
-                    self._replay(broker, seg, rtype, payload, live)
-            self._restore_messages(broker, live)
-            result.messages = len(live)
+                found, good_end, corrupt, torn = records.scan(
+                    path.read_bytes(), str(path), stop_at_corrupt
+                )
+                if torn or (stop_at_corrupt and corrupt):
+                    self._cut(path, good_end, result, "torn tail" if torn else "corrupt part")
+                for c in corrupt:
+                    if stop_at_corrupt:
+                        log.error(
+                            "corrupt record in the log; the rest comes from the primary: %s", c
+                        )
+                    else:
+                        log.error("corrupt record in the log, skipped: %s", c)
+                result.corrupt.extend(corrupt)
+                self._replay(broker, sequencer, seg, found, live, result)
+                if stop_at_corrupt and corrupt:
+                    for later in paths[i + 1 :]:
+                        aside = later.with_suffix(".seg.bad")
+                        later.rename(aside)
+                        result.set_aside.append(str(aside))
+                    break
+            for key, seg in live.items():
+                vh = broker.vhosts.get(key[0])
+                q = vh.queues.get(key[1]) if vh is not None else None
+                if q is not None and q.holds(key[2]):
+                    self.where[key] = seg
+                    self.segments[seg] += 1
+            apply.done(broker)
         finally:
-            self.recovering = False
+            sequencer.applying = False
+        result.messages = len(self.where)
+        # The epochs file knows where each epoch began, even when compaction deleted the
+        # segment that held that record; what a torn or cut tail took away is dropped.
+        known = [(e, o) for e, o in epochs if o <= sequencer.offset]
+        if known:
+            merged = dict(known)
+            merged.update((e, o) for e, o in sequencer.boundaries if e not in merged)
+            sequencer.boundaries = sorted(merged.items(), key=lambda eo: (eo[1], eo[0]))
+        if sequencer.boundaries:
+            sequencer.epoch = max(sequencer.epoch, sequencer.boundaries[-1][0])
+        self.handed = self._synced = sequencer.offset
+        self._rewrite_epochs(sequencer.boundaries)
         self.sizes = {int(p.stem): p.stat().st_size for p in self.dir.glob("*.seg")}
         if self.segments:
             self.active = next(reversed(self.segments))
             self.active_size = self.sizes.get(self.active, 0)
         else:
-            self.active = self.offset + 1
+            self.active = 1
             self.segments[self.active] = 0
         return result
+
+    def _cut(self, path: Path, at: int, result: Recovered, why: str) -> None:
+        size = path.stat().st_size
+        if at >= size:
+            return
+        log.warning("cutting a %s off %s at byte %d (%d bytes)", why, path, at, size - at)
+        with open(path, "r+b") as f:
+            f.truncate(at)
+        result.truncated.append(f"{path}@{at}")
 
     def _replay(
         self,
         broker: Broker,
+        sequencer: Sequencer,
         seg: int,
-        rtype: int,
-        payload: bytes,
-        live: dict[tuple[str, str, int], tuple[int, bytes, bytes, bytes]],
+        found: list[records.Scanned],
+        live: dict[Key, int],
+        result: Recovered,
     ) -> None:
-        if rtype == DEFINE:
-            rec = json.loads(payload)
-            self._apply_define(broker, rec["vhost"], rec["op"], rec["body"], live)
-        elif rtype == SNAPSHOT:
-            self._apply_snapshot(broker, json.loads(payload), live)
-        elif rtype == ENQUEUE:
-            r = _Reader(payload)
-            vhost, queue, mid = r.str(), r.str(), r.u64()
-            route, props, body = r.bytes(), r.bytes(), r.bytes()
-            live[(vhost, queue, mid)] = (seg, route, props, body)
-        elif rtype == DEQUEUE:
-            r = _Reader(payload)
-            live.pop((r.str(), r.str(), r.u64()), None)
-        else:
-            log.error("unknown record type %d in the log, skipped", rtype)
-
-    def _apply_define(
-        self,
-        broker: Broker,
-        vhost_name: str,
-        op: str,
-        body: dict[str, Any],
-        live: dict[tuple[str, str, int], Any],
-    ) -> None:
-        vh = broker.add_vhost(vhost_name)
-        if op == "exchange.declare":
-            if body["name"] not in vh.exchanges:
-                vh.declare_exchange(
-                    body["name"],
-                    body["type"],
-                    durable=True,
-                    auto_delete=body["auto_delete"],
-                    internal=body["internal"],
-                    arguments=body["arguments"],
-                )
-        elif op == "exchange.delete":
-            ex = vh.exchanges.get(body["name"])
-            if ex is not None:
-                vh.remove_exchange(ex)
-        elif op == "queue.declare":
-            if body["name"] not in vh.queues:
-                vh.declare_queue(
-                    body["name"],
-                    durable=True,
-                    auto_delete=body["auto_delete"],
-                    arguments=body["arguments"],
-                )
-        elif op == "queue.delete":
-            q = vh.queues.get(body["name"])
-            if q is not None:
-                vh.delete_queue(q)
-            for key in [k for k in live if k[0] == vhost_name and k[1] == body["name"]]:
-                del live[key]
-        elif op in ("bind", "unbind"):
-            dest = (vh.queues if body["destination_type"] == "queue" else vh.exchanges).get(
-                body["destination"]
-            )
-            if dest is None or body["source"] not in vh.exchanges:
-                return
-            if op == "bind":
-                vh.bind(body["source"], dest, body["routing_key"], body["arguments"])
-            else:
-                vh.unbind(body["source"], dest, body["routing_key"], body["arguments"])
-
-    def _apply_snapshot(
-        self, broker: Broker, snap: dict[str, Any], live: dict[tuple[str, str, int], Any]
-    ) -> None:
-        """A snapshot is authoritative: what it does not list was deleted."""
-        for vname, defs in snap.get("vhosts", {}).items():
-            vh = broker.add_vhost(vname)
-            names = {q["name"] for q in defs["queues"]}
-            for q in [q for q in vh.queues.values() if q.durable and q.name not in names]:
-                self._apply_define(broker, vname, "queue.delete", {"name": q.name}, live)
-            exnames = {e["name"] for e in defs["exchanges"]}
-            for ex in [
-                e
-                for e in vh.exchanges.values()
-                if e.durable and e.name and not e.name.startswith("amq.") and e.name not in exnames
-            ]:
-                vh.remove_exchange(ex)
-            for e in defs["exchanges"]:
-                self._apply_define(broker, vname, "exchange.declare", e, live)
-            for q in defs["queues"]:
-                self._apply_define(broker, vname, "queue.declare", q, live)
-            for b in defs["bindings"]:
-                self._apply_define(broker, vname, "bind", b, live)
-
-    def _restore_messages(
-        self, broker: Broker, live: dict[tuple[str, str, int], tuple[int, bytes, bytes, bytes]]
-    ) -> None:
-        from tandem.broker.model import message as message_mod
-
-        for (vhost, queue, mid), (seg, route, props, body) in sorted(
-            live.items(), key=lambda kv: kv[0][2]
-        ):
-            vh = broker.vhosts.get(vhost)
-            q = vh.queues.get(queue) if vh is not None else None
-            if q is None:
-                continue
-            elen = route[0]
-            exchange = route[1 : 1 + elen].decode()
-            rk = route[2 + elen :].decode()
-            msg = Message(exchange, rk, route, props, body, len(body))
+        for rtype, epoch, offset, payload in found:
+            result.records += 1
+            if rtype != records.SNAPSHOT and offset > sequencer.offset:
+                sequencer.follow(epoch, offset)
             try:
-                message_mod.scan(msg)
+                apply.apply(broker, rtype, payload)
+                if rtype == records.ENQUEUE:
+                    live[records.read_key(payload)] = seg
+                elif rtype == records.DEQUEUE:
+                    live.pop(records.read_key(payload), None)
+            except ValueError as exc:
+                log.error("record (%d, %d) in segment %d skipped: %s", epoch, offset, seg, exc)
+
+    def _read_epochs(self) -> list[tuple[int, int]]:
+        path = self.dir / "epochs"
+        out: list[tuple[int, int]] = []
+        if not path.exists():
+            return out
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                epoch, first = (int(x) for x in line.split())
             except ValueError:
-                log.error(
-                    "recovered message %d on queue '%s' has invalid properties; kept as it is",
-                    mid,
-                    queue,
-                )
-            msg.mid = mid
-            msg.ts = q.vhost.clock()
-            q.enqueue(msg)
-            self.where[(vhost, queue, mid)] = seg
-            self.segments[seg] = self.segments.get(seg, 0) + 1
+                log.error("%s line %d is not 'epoch first-offset'; ignored: %r", path, n, line)
+                continue
+            out.append((epoch, first))
+        return out
+
+    def _rewrite_epochs(self, boundaries: list[tuple[int, int]]) -> None:
+        path = self.dir / "epochs"
+        tmp = path.with_name("epochs.tmp")
+        tmp.write_text("".join(f"{e} {o}\n" for e, o in boundaries))
+        os.replace(tmp, path)
 
     def close(self) -> None:
         with self.lock:
@@ -654,10 +455,10 @@ class Store:
                 os.close(fd)
             self.fds.clear()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, object]:
         return {
             "segments": len(self.segments),
             "live_messages": len(self.where),
-            "position": self.offset,
-            "epoch": self.epoch,
+            "position": self.handed,
+            "synced": self.synced,
         }

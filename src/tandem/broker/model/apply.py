@@ -1,0 +1,171 @@
+"""Applying log records to the model: the one path for recovery and for backups.
+
+A record states what the primary decided (a message entered or left a queue, a queue was
+declared); applying it never decides again: no routing, no length limit, no expiry, no
+dead-lettering. The caller holds the model's journal in `applying` mode, so nothing applied
+is recorded a second time, and calls `done` when it stops applying (the queues drop the index
+by message id that applying keeps).
+
+Applying is idempotent per message: an enqueue of a message the queue holds already is
+skipped, so a record carried forward by compaction (and still present in an older segment
+after a crash) counts once, and a message lands in the order of its id.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tandem.broker.model import message as message_mod
+from tandem.broker.model import records
+from tandem.broker.model.broker import Broker
+from tandem.broker.model.message import Message
+from tandem.broker.model.queue import Queue
+from tandem.broker.model.vhost import VirtualHost
+
+log = logging.getLogger(__name__)
+
+
+def apply(broker: Broker, rtype: int, payload: bytes) -> None:
+    """Apply one record; raises ValueError on a payload that does not parse."""
+    try:
+        _apply(broker, rtype, payload)
+    except (KeyError, TypeError, IndexError, UnicodeDecodeError) as exc:
+        raise ValueError(f"malformed {records.NAMES.get(rtype, rtype)} record: {exc!r}") from None
+
+
+def _apply(broker: Broker, rtype: int, payload: bytes) -> None:
+    if rtype == records.ENQUEUE:
+        vhost, queue, mid, route, props, body = records.read_enqueue(payload)
+        q = _queue(broker, vhost, queue)
+        if q is not None:
+            q.restore(message(q, mid, route, props, body))
+    elif rtype == records.DEQUEUE:
+        vhost, queue, mid = records.read_key(payload)
+        q = _queue(broker, vhost, queue)
+        if q is not None:
+            q.remove(mid)
+    elif rtype == records.MARK:
+        vhost, queue, mid = records.read_key(payload)
+        q = _queue(broker, vhost, queue)
+        if q is not None:
+            q.mark(mid)
+    elif rtype == records.DEFINE:
+        rec = records.json_payload(payload)
+        define(broker.add_vhost(rec["vhost"]), rec["op"], rec["body"])
+    elif rtype == records.SNAPSHOT:
+        snapshot(broker, records.json_payload(payload))
+    elif rtype in (records.CHECKPOINT, records.NOOP):
+        pass
+    else:
+        log.error("unknown record type %d in the log, skipped", rtype)
+
+
+def done(broker: Broker) -> None:
+    """Applying is over: the node serves clients from this state."""
+    for vh in broker.vhosts.values():
+        for q in vh.queues.values():
+            q.end_apply()
+
+
+def _queue(broker: Broker, vhost: str, queue: str) -> Queue | None:
+    vh = broker.vhosts.get(vhost)
+    return vh.queues.get(queue) if vh is not None else None
+
+
+def message(q: Queue, mid: int, route: bytes, props: bytes, body: bytes) -> Message:
+    elen = route[0]
+    exchange = route[1 : 1 + elen].decode()
+    rk = route[2 + elen :].decode()
+    msg = Message(exchange, rk, route, props, body, len(body))
+    try:
+        message_mod.scan(msg)
+    except ValueError:
+        log.error("message %d on queue '%s' has invalid properties; kept as it is", mid, q.name)
+    msg.mid = mid
+    msg.ts = q.vhost.clock()
+    return msg
+
+
+def define(vh: VirtualHost, op: str, body: dict[str, Any]) -> None:
+    if op == "exchange.declare":
+        if body["name"] not in vh.exchanges:
+            vh.declare_exchange(
+                body["name"],
+                body["type"],
+                durable=body.get("durable", True),
+                auto_delete=body["auto_delete"],
+                internal=body["internal"],
+                arguments=body["arguments"],
+            )
+    elif op == "exchange.delete":
+        ex = vh.exchanges.get(body["name"])
+        if ex is not None:
+            vh.remove_exchange(ex)
+    elif op == "queue.declare":
+        if body["name"] not in vh.queues:
+            vh.declare_queue(
+                body["name"],
+                durable=body.get("durable", True),
+                auto_delete=body["auto_delete"],
+                arguments=body["arguments"],
+            )
+    elif op == "queue.delete":
+        q = vh.queues.get(body["name"])
+        if q is not None:
+            vh.delete_queue(q)
+    elif op in ("bind", "unbind"):
+        dest = (vh.queues if body["destination_type"] == "queue" else vh.exchanges).get(
+            body["destination"]
+        )
+        if dest is None or body["source"] not in vh.exchanges:
+            return
+        if op == "bind":
+            vh.bind(body["source"], dest, body["routing_key"], body["arguments"])
+        else:
+            vh.unbind(body["source"], dest, body["routing_key"], body["arguments"])
+    else:
+        log.error("unknown definition '%s' in the log, skipped", op)
+
+
+def snapshot(broker: Broker, snap: dict[str, Any]) -> None:
+    """A snapshot of the durable definitions is authoritative: what it does not list was
+    deleted."""
+    for vname, defs in snap.get("vhosts", {}).items():
+        vh = broker.add_vhost(vname)
+        names = {q["name"] for q in defs["queues"]}
+        for q in [q for q in vh.queues.values() if q.durable and q.name not in names]:
+            vh.delete_queue(q)
+        exnames = {e["name"] for e in defs["exchanges"]}
+        for ex in [
+            e
+            for e in vh.exchanges.values()
+            if e.durable and e.name and not e.name.startswith("amq.") and e.name not in exnames
+        ]:
+            vh.remove_exchange(ex)
+        for e in defs["exchanges"]:
+            define(vh, "exchange.declare", e)
+        for q in defs["queues"]:
+            define(vh, "queue.declare", q)
+        for b in defs["bindings"]:
+            define(vh, "bind", b)
+
+
+def durable_definitions(broker: Broker) -> dict[str, Any]:
+    """What a SNAPSHOT record restates: every durable exchange, queue and binding."""
+    out: dict[str, Any] = {"vhosts": {}}
+    for vh in broker.vhosts.values():
+        out["vhosts"][vh.name] = {
+            "exchanges": [
+                vh.exchange_body(e)
+                for e in vh.exchanges.values()
+                if e.durable and e.name and not e.name.startswith("amq.")
+            ],
+            "queues": [vh.queue_body(q) for q in vh.queues.values() if q.durable],
+            "bindings": [
+                vh.binding_body(b)
+                for b in vh.bindings()
+                if b.source.durable and b.destination.durable
+            ],
+        }
+    return out

@@ -1,0 +1,218 @@
+"""Log records: their frame and payloads, pure (bytes in, values out).
+
+One frame serves the disk and the wire: the store writes the frames of durable records as they
+are, replication ships every frame, and a backup writes the durable ones it receives verbatim.
+
+    magic "TL" | length u32 | crc32 u32 | type u8 | epoch u32 | offset u64 | payload
+
+The crc covers everything after it. The type's high bit says the record is durable (a backup
+writes it to disk); a record's identity is (epoch, offset).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.broker.model.message import Message
+
+MAGIC = b"TL"
+REC_HDR = struct.Struct(">2sII")  # magic, length of the rest, crc32 of the rest
+REC_META = struct.Struct(">BIQ")  # type, epoch, offset
+STR16 = struct.Struct(">H")
+U32 = struct.Struct(">I")
+U64 = struct.Struct(">Q")
+MAX_RECORD = 1 << 31
+HEADER = REC_HDR.size + REC_META.size
+
+# Record types. SNAPSHOT is housekeeping: it restates the durable definitions at the start of
+# a segment and takes no position of its own (its offset is the position it restates).
+DEFINE = 1
+ENQUEUE = 2
+DEQUEUE = 3
+SNAPSHOT = 4
+MARK = 5  # a delivery to a consumer: after failover the message is redelivered=true
+CHECKPOINT = 6  # an audit marker: each member records its queue depths when it applies it
+NOOP = 7  # holds the position of a durable change that is not replicated (a `none` queue's)
+DURABLE = 0x80
+TYPE_MASK = 0x7F
+
+NAMES = {
+    DEFINE: "define",
+    ENQUEUE: "enqueue",
+    DEQUEUE: "dequeue",
+    SNAPSHOT: "snapshot",
+    MARK: "mark",
+    CHECKPOINT: "checkpoint",
+    NOOP: "noop",
+}
+
+
+def frame(rtype: int, epoch: int, offset: int, payload: bytes, durable: bool = True) -> bytes:
+    rest = REC_META.pack(rtype | (DURABLE if durable else 0), epoch, offset) + payload
+    return REC_HDR.pack(MAGIC, len(rest), zlib.crc32(rest)) + rest
+
+
+def head(data: bytes | memoryview) -> tuple[int, int, int, bool]:
+    """(type, epoch, offset, durable) of a frame known to be whole and checked."""
+    rtype, epoch, offset = REC_META.unpack_from(data, REC_HDR.size)
+    return rtype & TYPE_MASK, epoch, offset, bool(rtype & DURABLE)
+
+
+def payload(data: bytes) -> bytes:
+    return data[HEADER:]
+
+
+@dataclass(slots=True)
+class Corruption:
+    where: str
+    offset: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.where} at byte {self.offset}: {self.reason}"
+
+
+Scanned = tuple[int, int, int, bytes]  # type, epoch, offset, payload
+
+
+def scan(
+    data: bytes, where: str = "log", stop_at_corrupt: bool = False
+) -> tuple[list[Scanned], int, list[Corruption], bool]:
+    """Read the frames in `data`, in order.
+
+    Returns the records, the byte length of the good data before anything skipped or cut, the
+    corrupt spots, and whether the data ends in a torn tail (a record cut short that no valid
+    record follows). A corrupt spot followed by a valid record is skipped and named, unless
+    `stop_at_corrupt`, when reading stops there.
+    """
+    records: list[Scanned] = []
+    corrupt: list[Corruption] = []
+    pos = 0
+    n = len(data)
+    good_end = 0
+    while pos < n:
+        problem = _check(data, pos)
+        if problem is None:
+            _m, length, _crc = REC_HDR.unpack_from(data, pos)
+            end = pos + REC_HDR.size + length
+            rtype, epoch, offset = REC_META.unpack_from(data, pos + REC_HDR.size)
+            records.append((rtype & TYPE_MASK, epoch, offset, data[pos + HEADER : end]))
+            pos = good_end = end
+            continue
+        nxt = _next_valid(data, pos + 1)
+        if nxt is None:
+            return records, good_end, corrupt, True
+        corrupt.append(Corruption(where, pos, problem))
+        if stop_at_corrupt:
+            return records, good_end, corrupt, False
+        pos = nxt
+    return records, good_end, corrupt, False
+
+
+def _check(data: bytes, pos: int) -> str | None:
+    n = len(data)
+    if n - pos < REC_HDR.size:
+        return "truncated record header"
+    magic, length, crc = REC_HDR.unpack_from(data, pos)
+    end = pos + REC_HDR.size + length
+    if magic != MAGIC:
+        return "bad record magic"
+    if length < REC_META.size or length > MAX_RECORD:
+        return f"bad record length {length}"
+    if end > n:
+        return "record runs past the end of the file"
+    if zlib.crc32(data[pos + REC_HDR.size : end]) != crc:
+        return "checksum mismatch"
+    return None
+
+
+def _next_valid(data: bytes, start: int) -> int | None:
+    pos = data.find(MAGIC, start)
+    while pos != -1:
+        if _check(data, pos) is None:
+            return pos
+        pos = data.find(MAGIC, pos + 1)
+    return None
+
+
+# -- payloads --
+
+
+def _str(value: str) -> bytes:
+    raw = value.encode()
+    return STR16.pack(len(raw)) + raw
+
+
+def _bytes(value: bytes) -> bytes:
+    return U32.pack(len(value)) + value
+
+
+class Reader:
+    __slots__ = ("data", "pos")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def str(self) -> str:
+        (n,) = STR16.unpack_from(self.data, self.pos)
+        self.pos += 2 + n
+        if self.pos > len(self.data):
+            raise ValueError("truncated field")
+        return self.data[self.pos - n : self.pos].decode()
+
+    def bytes(self) -> bytes:
+        (n,) = U32.unpack_from(self.data, self.pos)
+        self.pos += 4 + n
+        if self.pos > len(self.data):
+            raise ValueError("truncated field")
+        return self.data[self.pos - n : self.pos]
+
+    def u64(self) -> int:
+        (v,) = U64.unpack_from(self.data, self.pos)
+        self.pos += 8
+        return int(v)
+
+
+def define(vhost: str, op: str, body: dict[str, Any]) -> bytes:
+    return json.dumps({"vhost": vhost, "op": op, "body": body}, separators=(",", ":")).encode()
+
+
+def enqueue(vhost: str, queue: str, msg: Message) -> bytes:
+    return b"".join(
+        (
+            _str(vhost),
+            _str(queue),
+            U64.pack(msg.mid),
+            _bytes(msg.route),
+            _bytes(msg.props),
+            _bytes(msg.body_bytes()),
+        )
+    )
+
+
+def key(vhost: str, queue: str, mid: int) -> bytes:
+    """The payload of DEQUEUE and MARK: which message of which queue."""
+    return _str(vhost) + _str(queue) + U64.pack(mid)
+
+
+def read_key(data: bytes) -> tuple[str, str, int]:
+    r = Reader(data)
+    return r.str(), r.str(), r.u64()
+
+
+def read_enqueue(data: bytes) -> tuple[str, str, int, bytes, bytes, bytes]:
+    """(vhost, queue, mid, route, props, body)."""
+    r = Reader(data)
+    return r.str(), r.str(), r.u64(), r.bytes(), r.bytes(), r.bytes()
+
+
+def json_payload(data: bytes) -> dict[str, Any]:
+    value = json.loads(data)
+    if not isinstance(value, dict):
+        raise ValueError("record payload is not an object")
+    return value
