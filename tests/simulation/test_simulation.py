@@ -50,3 +50,16 @@ def test_the_isr_minimum_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(Violation, match="rule 3"):
         for seed in range(3000):
             World(seed).run()
+
+
+def test_a_member_that_lost_volatile_records_is_not_a_candidate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rule 4: a controller that takes a restarted member's position at its word, though the
+    member lost the records it held only in memory, promotes it and loses confirmed ones."""
+    from tandem.ha import decide
+
+    monkeypatch.setattr(decide, "_lost_store", lambda m, epoch: m.answering and m.epoch < epoch)
+    with pytest.raises(Violation, match="rule 4"):
+        for seed in range(200):
+            World(seed).run()

@@ -127,6 +127,7 @@ class World:
                     caught_up=caught_up,
                     waited=waited,
                     applied_version=r.applied_version,
+                    whole=r.log.whole,
                     lag_records=lag,
                 )
             )
@@ -212,11 +213,7 @@ class World:
     def fault(self) -> None:
         n = self.rng.choice(self.names)
         kind = self.rng.choice(["crash", "pause", "heal", "heal", "wipe"])
-        # A lost disk is a failure the promise covers only while another ISR member holds
-        # everything: at most isr_min - 1 at once, and never the last one the record names.
-        others = self.record.isr - set(self.wiped) - {n}
-        wipe_ok = len(self.wiped) < self.isr_min - 1 and bool(others)
-        if kind == "wipe" and self.state[n] != "paused" and wipe_ok:
+        if kind == "wipe" and self.state[n] != "paused" and self.may_lose(n):
             self.crash(n)
             self.replicas[n] = core.Replica(n, isr_min=self.isr_min)
             self.epochs[n] = 0
@@ -231,6 +228,12 @@ class World:
         elif kind == "heal":
             self.heal(n)
 
+    def may_lose(self, n: str) -> bool:
+        """A lost disk is a failure the promise covers only while another ISR member holds
+        everything: at most isr_min - 1 at once, and never the last one the record names."""
+        others = self.record.isr - set(self.wiped) - {n}
+        return len(self.wiped) < self.isr_min - 1 and bool(others)
+
     def crash(self, n: str) -> None:
         """Its process dies: messages on their way to it are lost, and its peers see their
         connections to it close."""
@@ -243,8 +246,16 @@ class World:
     def heal(self, n: str) -> None:
         if self.state[n] == "crashed":
             self.incarnations += 1
-            self.replicas[n].restart(self.incarnations)
-            self.log(f"{n} restarts")
+            r = self.replicas[n]
+            r.restart(self.incarnations)
+            # Some restarts lose what was only in memory (reliable transient messages), a
+            # failure the promise covers as it covers a lost disk: such a member holds less
+            # than its position says until it takes a full copy.
+            lose = self.rng.random() < 0.5 and self.may_lose(n)
+            if lose and isinstance(r.log, core.EpochLog):
+                r.log.lost = True
+                self.wiped[n] = False
+            self.log(f"{n} restarts" + (" without its volatile records" if lose else ""))
         elif self.state[n] == "paused":
             self.log(f"{n} resumes")
         self.state[n] = "up"
@@ -275,6 +286,11 @@ class World:
             self.epochs[n] = r.epoch
         primaries = [r for r in self.replicas.values() if r.role is Role.PRIMARY]
         for r in primaries:
+            if not r.log.whole:
+                raise Violation(
+                    f"rule 4: {r.node} lost records it held only in memory and was made "
+                    f"primary before it took them again"
+                )
             if self.holders.get(r.epoch) != r.node:
                 raise Violation(f"{r.node} acts as primary in epoch {r.epoch} it was not given")
             for o in range(1, r.confirmed + 1):
@@ -291,7 +307,7 @@ class World:
             copies = sum(
                 1
                 for r in self.replicas.values()
-                if len(r.log) >= offset and r.log[offset - 1] == epoch
+                if r.log.whole and len(r.log) >= offset and r.log[offset - 1] == epoch
             )
             if copies + len(self.wiped) < self.isr_min:
                 raise Violation(

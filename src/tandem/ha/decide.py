@@ -133,8 +133,9 @@ def _lost_store(m: Member, epoch: int) -> bool:
     """Every member the record names in its ISR adopted the record's epoch before it was
     named (fenced before a promotion, or told to follow before it grew back), and the epoch is
     on disk. A member named there with a lower epoch has come back without its store: it is
-    not in sync, whatever it says."""
-    return m.answering and m.epoch < epoch
+    not in sync, whatever it says. So is one that says it lost records kept only in memory
+    (`whole` false) until it has taken a full copy."""
+    return m.answering and (m.epoch < epoch or not m.whole)
 
 
 def _maintain(view: View, settings: Settings, primary: Member) -> Decision:

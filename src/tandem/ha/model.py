@@ -53,6 +53,9 @@ class Member:
     applied_version: int = 0
     lag_records: int = 0  # records the primary holds that this member has not acked
     lag_seconds: float = 0.0  # age of the oldest record this member has not acked
+    # False while the member's log names records it lost in a restart (messages that were
+    # only in memory): it holds less than its position says until it takes a full copy.
+    whole: bool = True
 
     @property
     def answering(self) -> bool:

@@ -1,9 +1,12 @@
 """The replication protocol of one member, pure: messages in, messages out, no I/O and no clock.
 
 The deterministic simulation runs these state machines against a simulated network and the
-real controller's decisions; the broker's replication listener will drive the same class over
-sockets. A member's log is kept here as the epoch of each offset (offset o at index o - 1):
-the protocol needs nothing else of a record, and (epoch, offset) names one record only.
+real controller's decisions; the broker's replication listener drives the same class over
+sockets. The protocol needs nothing of a record but its epoch, and (epoch, offset) names one
+record only, so a member's log is seen through the `Log` port: its end, its epoch boundaries,
+the entries after an offset while it still holds them, and a full copy. `EpochLog`, the epoch
+of each offset in a list, is the log of the simulation and of the unit tests; the broker's log
+ships record frames and copies its state.
 
 The rules, each from `tandem.ha.fencing` so that the simulation checks the code that runs:
 - rule 1: a message from a lower epoch is refused (`Stale` back); a primary that meets a
@@ -14,14 +17,19 @@ The rules, each from `tandem.ha.fencing` so that the simulation checks the code 
 
 A follower joins a primary with `Hello` (its epoch boundaries); the primary answers with `Sync`:
 the offset up to which the two logs agree (by epoch boundaries, as Kafka's leader epochs) and
-its entries after that. The follower truncates to that offset and appends. After that, each new
+its entries after that. The follower truncates to that offset and appends. When the primary
+no longer holds those entries, when the follower's log cannot be truncated, or when the
+follower lost records it had (a restart loses what was only in memory), the Sync carries a
+full copy instead. After that, each new
 entry is shipped as an `Append` starting where the follower's log ends; a gap (a lost message)
 makes the follower say `Hello` again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from tandem.ha import fencing
 from tandem.ha.model import ElectionRecord, Position, Role
@@ -36,6 +44,80 @@ Boundaries = tuple[tuple[int, int], ...]
 Session = tuple[int, int]
 
 
+class Log(Protocol):
+    """A member's log as the protocol sees it. Entries are opaque here (epochs in the
+    simulation, record frames in the broker)."""
+
+    @property
+    def end(self) -> int:
+        """The offset of the last record held (0 for none)."""
+
+    @property
+    def last_epoch(self) -> int:
+        """The epoch of the last record held (0 for none)."""
+
+    @property
+    def whole(self) -> bool:
+        """False when the log names records it no longer holds (lost in a restart)."""
+
+    @property
+    def truncates(self) -> bool:
+        """True when the log can be cut back to an earlier offset."""
+
+    def boundaries(self) -> Boundaries: ...
+
+    def since(self, offset: int) -> Sequence[Any] | None:
+        """The entries after `offset`, or None when they are no longer held."""
+
+    def snapshot(self) -> Any:
+        """A full copy: what a follower installs instead of entries."""
+
+    def truncate(self, offset: int) -> None: ...
+
+    def extend(self, entries: Sequence[Any]) -> None: ...
+
+    def install(self, boundaries: Boundaries, end: int, snapshot: Any) -> None:
+        """Replace everything with a full copy of another member's log."""
+
+
+class EpochLog(list[int]):
+    """The epoch of each offset (offset o at index o - 1): a log that holds everything."""
+
+    lost: bool = False
+
+    @property
+    def end(self) -> int:
+        return len(self)
+
+    @property
+    def last_epoch(self) -> int:
+        return self[-1] if self else 0
+
+    @property
+    def whole(self) -> bool:
+        return not self.lost
+
+    @property
+    def truncates(self) -> bool:
+        return True
+
+    def boundaries(self) -> Boundaries:
+        return boundaries(self)
+
+    def since(self, offset: int) -> Sequence[int] | None:
+        return tuple(self[offset:])
+
+    def snapshot(self) -> tuple[int, ...]:
+        return tuple(self)
+
+    def truncate(self, offset: int) -> None:
+        del self[offset:]
+
+    def install(self, boundaries: Boundaries, end: int, snapshot: Any) -> None:
+        self[:] = snapshot
+        self.lost = False
+
+
 @dataclass(frozen=True, slots=True)
 class Hello:
     sender: str
@@ -43,6 +125,7 @@ class Hello:
     session: Session
     boundaries: Boundaries
     end: int
+    whole: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +134,10 @@ class Sync:
     epoch: int
     session: Session
     agree: int  # truncate to this offset ...
-    entries: tuple[int, ...]  # ... then append these (their epochs), from agree + 1
+    entries: Sequence[Any]  # ... then append these, from agree + 1
+    full: Any = None  # or, when not None, install this copy of the primary's log
+    boundaries: Boundaries = ()  # the primary's, with a full copy
+    end: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +145,7 @@ class Append:
     sender: str
     epoch: int
     start: int
-    entries: tuple[int, ...]
+    entries: Sequence[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +202,7 @@ ControlMessage = Fence | Promote | Follow | Inform
 Out = tuple[str, PeerMessage]
 
 
-def boundaries(log: list[int]) -> Boundaries:
+def boundaries(log: Sequence[int]) -> Boundaries:
     out: list[tuple[int, int]] = []
     for offset, epoch in enumerate(log, 1):
         if not out or out[-1][0] != epoch:
@@ -147,7 +233,7 @@ class Replica:
     incarnation: int = 0  # differs after each restart (the broker uses its start time)
     # Durable: what survives a crash.
     epoch: int = 0
-    log: list[int] = field(default_factory=list)
+    log: Log = field(default_factory=EpochLog)
     # Volatile.
     role: Role = Role.BACKUP
     following: str | None = None
@@ -164,16 +250,17 @@ class Replica:
 
     @property
     def position(self) -> Position:
-        return Position(self.log[-1], len(self.log)) if self.log else Position()
+        log = self.log
+        return Position(log.last_epoch, log.end) if log.end else Position()
 
     def report(self, node: str) -> tuple[bool, bool, int]:
         """The primary's view of a follower at one instant: (caught_up, waited, lag)."""
         if self.role is not Role.PRIMARY:
-            return False, False, len(self.log)
+            return False, False, self.log.end
         acked = self.acked.get(node)
         caught_up = acked is not None and acked >= self.confirmed
         waited = node in self.isr or node in self.tracking
-        return caught_up, waited, len(self.log) - (acked or 0)
+        return caught_up, waited, self.log.end - (acked or 0)
 
     def restart(self, incarnation: int | None = None) -> None:
         """A crash: everything volatile is gone; the epoch and the log were on disk."""
@@ -199,26 +286,34 @@ class Replica:
         return self.role is Role.PRIMARY and len(self.isr) >= self.isr_min
 
     def append(self) -> list[Out]:
-        """A client's record on the primary; it is shipped to every follower."""
+        """A client's record on a primary whose log is an EpochLog (the simulation)."""
         assert self.role is Role.PRIMARY
-        self.log.append(self.epoch)
-        start = len(self.log)
+        self.log.extend((self.epoch,))
+        return self.appended(self.log.end, (self.epoch,))
+
+    def appended(self, start: int, entries: Sequence[Any]) -> list[Out]:
+        """The primary's log grew by `entries` from `start`: ship them to every follower."""
+        assert self.role is Role.PRIMARY
         self._advance()
-        return [
-            (p, Append(self.node, self.epoch, start, (self.epoch,))) for p in sorted(self.peers)
-        ]
+        return [(p, Append(self.node, self.epoch, start, entries)) for p in sorted(self.peers)]
 
     def tick(self) -> list[Out]:
         """A timer: retransmit what a lost message may have left undone. A follower that
         is not synced says Hello again; a synced one repeats its ack; the primary resends
         each follower what it has not acked."""
         if self.role is Role.PRIMARY:
-            end = len(self.log)
-            return [
-                (p, Append(self.node, self.epoch, acked + 1, tuple(self.log[acked:])))
-                for p in sorted(self.peers)
-                if (acked := self.acked.get(p)) is not None and acked < end
-            ]
+            out: list[Out] = []
+            end = self.log.end
+            for p in sorted(self.peers):
+                acked = self.acked.get(p)
+                if acked is None or acked >= end:
+                    continue
+                entries = self.log.since(acked)
+                if entries is None:  # no longer held: the follower needs a full copy
+                    out.append((p, Rejoin(self.node, self.epoch)))
+                else:
+                    out.append((p, Append(self.node, self.epoch, acked + 1, entries)))
+            return out
         if self.following is None:
             return []
         if not self.synced:
@@ -310,21 +405,27 @@ class Replica:
         assert self.following is not None
         if not again:
             self.session = (self.incarnation, self.session[1] + 1)
-        hello = Hello(self.node, self.epoch, self.session, boundaries(self.log), len(self.log))
+        log = self.log
+        hello = Hello(self.node, self.epoch, self.session, log.boundaries(), log.end, log.whole)
         return self.following, hello
 
     def _ack(self) -> Out:
         assert self.following is not None
-        return self.following, Ack(self.node, self.epoch, self.session, len(self.log))
+        return self.following, Ack(self.node, self.epoch, self.session, self.log.end)
 
     def _on_hello(self, msg: Hello) -> list[Out]:
         known = self.peers.get(msg.sender)
         if self.role is not Role.PRIMARY or (known is not None and msg.session < known):
             return []  # a late Hello of an attempt the follower has given up
-        agree = agreement(boundaries(self.log), len(self.log), msg.boundaries, msg.end)
+        log = self.log
+        mine = log.boundaries()
+        agree = agreement(mine, log.end, msg.boundaries, msg.end)
         self.peers[msg.sender] = msg.session
         self.acked.pop(msg.sender, None)  # until it acks the synced log
-        entries = tuple(self.log[agree:])
+        entries = log.since(agree) if msg.whole and (agree == msg.end or log.truncates) else None
+        if entries is None:
+            full = Sync(self.node, self.epoch, msg.session, 0, (), log.snapshot(), mine, log.end)
+            return [(msg.sender, full)]
         return [(msg.sender, Sync(self.node, self.epoch, msg.session, agree, entries))]
 
     def _on_ack(self, msg: Ack) -> list[Out]:
@@ -341,15 +442,18 @@ class Replica:
     def _on_sync(self, msg: Sync) -> list[Out]:
         if self.synced or msg.session != self.session:
             return []  # the answer to an earlier Hello
-        del self.log[msg.agree :]
-        self.log.extend(msg.entries)
+        if msg.full is not None:
+            self.log.install(msg.boundaries, msg.end, msg.full)
+        else:
+            self.log.truncate(msg.agree)
+            self.log.extend(msg.entries)
         self.synced = True
         return [self._ack()]
 
     def _on_append(self, msg: Append) -> list[Out]:
         if not self.synced:
             return []
-        end = len(self.log)
+        end = self.log.end
         if msg.start > end + 1:
             self.synced = False  # a gap: a message was lost; start over from agreement
             return [self._hello()]
@@ -362,7 +466,7 @@ class Replica:
         if self.role is not Role.PRIMARY:
             return
         others = (self.isr | self.tracking) - {self.node}
-        end = len(self.log)
+        end = self.log.end
         for offset in sorted({end, *(self.acked.get(n, 0) for n in others)}, reverse=True):
             if offset <= self.confirmed or offset > end:
                 continue
