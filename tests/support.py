@@ -58,6 +58,7 @@ class Broker:
         self.log_path = self.log_dir / f"{data_dir.name}.log"
         self.amqp_port = 0
         self.admin_port = 0
+        self.replication_port: int | None = None
         self.starts = 0
 
     def start(self) -> Broker:
@@ -98,6 +99,7 @@ class Broker:
         self.amqp_port = info["amqp"]
         self.admin_port = info["admin"]
         self.tls_port = info.get("amqps")
+        self.replication_port = info.get("replication")
         wait_for_amqp(self.amqp_port, proc=self.proc)
         return self
 

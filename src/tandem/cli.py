@@ -28,6 +28,8 @@ def _broker(args: argparse.Namespace) -> int:
         "data_dir": args.data_dir,
         "node_id": args.node_id,
         "host": args.host,
+        "replication_port": args.replication_port,
+        "cluster_key_file": args.cluster_key_file,
     }
     try:
         cfg = config_mod.load(args.config, overrides)
@@ -227,6 +229,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--node-id", help="this node's name (default tandem-1)")
     b.add_argument("--host", help="address the AMQP listeners bind (default 127.0.0.1)")
     b.add_argument("--config", help="YAML configuration file (docs/configuration.md)")
+    b.add_argument(
+        "--replication-port",
+        type=_port,
+        help="make this node a cluster member listening for replication here (0: a free port); "
+        "it serves clients once the cluster's controller makes it primary",
+    )
+    b.add_argument(
+        "--cluster-key-file", help="file holding the cluster's shared key (or TANDEM_CLUSTER_KEY)"
+    )
     b.set_defaults(func=_broker)
     c = sub.add_parser(
         "ctl",

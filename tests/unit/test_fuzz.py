@@ -41,6 +41,7 @@ class FakeTransport:
 
 class FakeHub:
     blocked_reason = None
+    refusal = None
 
     def __init__(self) -> None:
         self.reply_to: dict = {}

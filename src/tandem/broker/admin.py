@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
 from tandem.broker.model import definitions, spec
+from tandem.broker.replication import member as member_mod
 
 if TYPE_CHECKING:
     from tandem.broker.node import Node
@@ -107,11 +108,32 @@ def make_app(node: Node) -> web.Application:
     ProcessCollector(registry=registry)  # process_resident_memory_bytes, open fds, CPU
     token = node.cfg.admin_token
 
+    cluster_key = node.cluster_key
+
+    def bearer(request: web.Request, secret: str | bytes) -> bool:
+        raw = secret.decode() if isinstance(secret, bytes) else secret
+        given = request.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {raw}".encode())
+
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/ha/"):
+            # The controller's commands: only with the cluster key, even without a token.
+            if cluster_key is None or node.member is None:
+                return _json_error(404, "this node is not a cluster member")
+            if not bearer(request, cluster_key):
+                return _json_error(
+                    401, "the HA commands need 'Authorization: Bearer <cluster key>'"
+                )
+            return await handler(request)
         if token and request.path not in ("/health", "/metrics"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            if (
+                request.path == "/status"
+                and cluster_key is not None
+                and bearer(request, cluster_key)
+            ):
+                return await handler(request)
+            if not bearer(request, token):
                 return _json_error(
                     401,
                     "a valid bearer token is required: send 'Authorization: Bearer <token>' "
@@ -134,6 +156,36 @@ def make_app(node: Node) -> web.Application:
         return web.Response(
             body=generate_latest(registry), headers={"Content-Type": "text/plain; version=0.0.4"}
         )
+
+    async def ha(request: web.Request) -> web.Response:
+        """POST /ha/fence {epoch}, /ha/promote {record}, /ha/follow {primary, epoch,
+        address, amqp}, /ha/record {record}: the controller's commands. Each answers the
+        member's replication status once the command took effect (the epoch on disk)."""
+        member = node.member
+        assert member is not None
+        body = await _body(request)
+        what = request.match_info["command"]
+        try:
+            if what == "fence":
+                answer = member.fence(int(body["epoch"]))
+            elif what == "promote":
+                answer = member.promote(member_mod.record_from_json(body["record"]))
+            elif what == "record":
+                answer = member.inform(member_mod.record_from_json(body["record"]))
+            elif what == "follow":
+                host, _, port = str(body["address"]).rpartition(":")
+                amqp = body.get("amqp")
+                answer = member.follow(
+                    str(body["primary"]),
+                    int(body["epoch"]),
+                    (host, int(port)),
+                    None if amqp is None else str(amqp),
+                )
+            else:
+                return _json_error(404, f"no HA command '{what}'")
+        except (KeyError, TypeError, ValueError) as exc:
+            return _json_error(400, f"bad {what} command: {exc!r}")
+        return web.json_response(answer)
 
     async def list_users(request: web.Request) -> web.Response:
         users = node.broker.users.users.values()
@@ -235,6 +287,7 @@ def make_app(node: Node) -> web.Application:
             web.delete("/api/permissions/{vhost}/{user}", delete_permission),
             web.get("/api/queues", list_queues),
             web.get("/api/definitions", export_definitions),
+            web.post("/ha/{command}", ha),
         ]
     )
     return app

@@ -37,7 +37,14 @@ LogLevel = Annotated[
 PathSetting = Annotated[Path, BeforeValidator(lambda v: _path(v))]
 
 TLS_PORT = 5671
-PATH_SETTINGS = ("data_dir", "definitions", "tls_certfile", "tls_keyfile", "tls_cafile")
+PATH_SETTINGS = (
+    "data_dir",
+    "definitions",
+    "tls_certfile",
+    "tls_keyfile",
+    "tls_cafile",
+    "cluster_key_file",
+)
 
 
 def _path(value: Any) -> Any:
@@ -78,6 +85,13 @@ class Config(BaseModel):
     permissions: list[PermissionSpec] = []
     log_level: LogLevel = "INFO"
     definitions: PathSetting | None = None  # a RabbitMQ definitions export to load at start
+    # A cluster member listens for replication; the controller decides its role.
+    replication_port: Port | None = None
+    replication_host: Name = "127.0.0.1"
+    cluster_key_file: PathSetting | None = None  # or the TANDEM_CLUSTER_KEY environment variable
+    replication_tls: StrictBool = False  # replication over TLS with the node's certificate
+    isr_min: Annotated[StrictInt, Field(ge=1)] = 2
+    default_replicate: Literal["none", "configuration", "all"] = "all"
 
     @model_validator(mode="after")
     def _tls(self) -> Config:
@@ -94,6 +108,8 @@ class Config(BaseModel):
                     raise ValueError(f"'{name}' needs 'tls_certfile' and 'tls_keyfile'")
             if self.tls_verify_peer:
                 raise ValueError("'tls_verify_peer' needs 'tls_certfile' and 'tls_keyfile'")
+            if self.replication_tls:
+                raise ValueError("'replication_tls' needs 'tls_certfile' and 'tls_keyfile'")
         return self
 
     @property

@@ -23,6 +23,7 @@ from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.spec import UserSpec
 from tandem.broker.protocol import connection as conn_mod
+from tandem.broker.replication import member as member_mod
 from tandem.broker.store.lock import DataDirLock
 from tandem.broker.store.log import Store
 
@@ -70,6 +71,26 @@ async def _listen(what: str, option: str, host: str, port: int, start: Awaitable
         ) from None
 
 
+def _cluster_key(cfg: Config) -> bytes:
+    """The secret every member of a cluster shares: from `cluster_key_file` or the
+    TANDEM_CLUSTER_KEY environment variable."""
+    if cfg.cluster_key_file is not None:
+        try:
+            key = cfg.cluster_key_file.read_text().strip()
+        except OSError as exc:
+            raise errors.ConfigError(
+                f"cluster_key_file: cannot read {cfg.cluster_key_file}: {exc.strerror or exc}"
+            ) from None
+    else:
+        key = os.environ.get("TANDEM_CLUSTER_KEY", "").strip()
+    if len(key) < 16:
+        raise errors.ConfigError(
+            "a cluster member (replication_port set) needs a cluster key of at least 16 "
+            "characters: set cluster_key_file or TANDEM_CLUSTER_KEY"
+        )
+    return key.encode()
+
+
 def _write_atomically(path: Path, text: str) -> None:
     """Readers see the old file or the new one, never a half-written one."""
     tmp = path.with_name(path.name + ".tmp")
@@ -90,6 +111,16 @@ class Node:
             self.store = Store(cfg.data_dir, fsync=cfg.fsync, segment_bytes=cfg.segment_bytes)
         self.sequencer = Sequencer(self.store)
         self.broker = Broker(self.sequencer)
+        self.broker.default_replicate = cfg.default_replicate
+        # A cluster member (replication_port set) serves clients only once the controller
+        # makes it primary; until then it refuses them, naming the primary when it knows it.
+        self.member: member_mod.Member | None = None
+        self.cluster_key = _cluster_key(cfg) if cfg.replication_port is not None else None
+        self.role = "standalone" if self.cluster_key is None else "backup"
+        self.refusal: str | None = (
+            None if self.cluster_key is None else "this node is a cluster backup; no primary yet"
+        )
+        self.primary_amqp: str | None = None
         self.limits = conn_mod.Limits(
             frame_max=cfg.frame_max,
             channel_max=cfg.channel_max,
@@ -213,6 +244,30 @@ class Node:
                 else None,
             )
 
+    # -- the member's hooks: role changes --
+
+    def promoted(self, epoch: int) -> None:
+        log.warning("node %s is primary of epoch %d", self.cfg.node_id, epoch)
+        self.role, self.refusal = "primary", None
+
+    def demoted(self, epoch: int) -> None:
+        self.role = "backup"
+        self.refusal = "this node is a cluster backup; it lost the primary role"
+        for proto in list(self.connections):
+            if proto.conn is not None:
+                proto.conn.force_close(
+                    320, f"CONNECTION_FORCED - this node is no longer the primary (epoch {epoch})"
+                )
+                proto.flush()
+
+    def following(self, primary: str, amqp: str | None) -> None:
+        if self.role == "backup":
+            where = f" at {amqp}" if amqp else ""
+            self.refusal = f"this node is a cluster backup; the primary is {primary}{where}"
+
+    def isr_blocked(self, reason: str | None) -> None:
+        self.set_alarm("replication", reason)
+
     # -- status --
 
     def status(self) -> dict[str, Any]:
@@ -231,12 +286,12 @@ class Node:
             for vh in self.broker.vhosts.values()
             for q in vh.queues.values()
         ]
-        return {
+        out = {
             "node": self.cfg.node_id,
-            "role": "standalone",
+            "role": self.role,
             "epoch": journal.epoch,
             "position": journal.offset,
-            "primary": self.cfg.node_id,
+            "primary": self.cfg.node_id if self.role != "backup" else None,
             "amqp_port": self.amqp_port,
             "admin_port": self.admin_port,
             "connections": len(self.connections),
@@ -244,6 +299,12 @@ class Node:
             "store": self.store.stats() if self.store is not None else None,
             "queues": queues,
         }
+        if self.member is not None:
+            out.update(self.member.status())
+            out["role"] = self.role
+            if self.role == "backup":
+                out["primary"] = self.member.replica.following
+        return out
 
     # -- running --
 
@@ -270,13 +331,16 @@ class Node:
         return ctx
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
+        cfg = self.cfg
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
         if self.store is not None:
-            result = self.store.open(self.broker, self.sequencer, loop)
+            result = self.store.open(
+                self.broker, self.sequencer, loop, stop_at_corrupt=self.cluster_key is not None
+            )
             self.store.on_write_error = lambda err: self.set_alarm(
                 "log", None if err is None else f"cannot write the log: {err}"
             )
@@ -287,12 +351,35 @@ class Node:
                 result.messages,
                 self.cfg.data_dir,
             )
-        # A lone node that (re)starts serving is a new primary term: nothing it records now
-        # can share a position with a record of an earlier life that did not reach the disk.
-        self.sequencer.begin_term(self.sequencer.epoch + 1)
+        if self.cluster_key is None:
+            # A lone node that (re)starts serving is a new primary term: nothing it records
+            # now can share a position with a record of an earlier life that did not reach
+            # the disk. A cluster member's terms come from the controller.
+            self.sequencer.begin_term(self.sequencer.epoch + 1)
+        else:
+            self.member = member_mod.Member(
+                cfg.node_id,
+                self.broker,
+                self.sequencer,
+                self.store,
+                self,
+                key=self.cluster_key,
+                data_dir=cfg.data_dir,
+                isr_min=cfg.isr_min,
+                host=cfg.replication_host,
+                port=cfg.replication_port or 0,
+                server_ssl=self._tls_context() if cfg.replication_tls else None,
+                client_ssl=self._client_tls() if cfg.replication_tls else None,
+            )
+            await _listen(
+                "replication",
+                "--replication-port (or replication_port)",
+                cfg.replication_host,
+                cfg.replication_port or 0,
+                self.member.start(),
+            )
         if self.definitions is not None:
             definitions.apply_entities(self.broker, self.definitions, str(self.cfg.definitions))
-        cfg = self.cfg
         fds = _raise_fd_limit(cfg.max_connections + 256)
         if fds < cfg.max_connections + 64:
             log.warning(
@@ -348,7 +435,9 @@ class Node:
         self.ready = True
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._every(SWEEP_SECONDS, self.broker.sweep, stop))
+                tg.create_task(self._every(SWEEP_SECONDS, self._sweep, stop))
+                if self.member is not None:
+                    tg.create_task(self.member.run(stop))
                 tg.create_task(self._every(ALARM_SECONDS, self.check_alarms, stop))
                 await stop.wait()
         finally:
@@ -366,6 +455,19 @@ class Node:
                 self.store.close()
             if self.lock is not None:
                 self.lock.release()
+
+    def _sweep(self) -> None:
+        """Expiry and idle queues are the primary's decisions; a backup applies them."""
+        if self.role != "backup":
+            self.broker.sweep()
+
+    def _client_tls(self) -> ssl.SSLContext:
+        cfg = self.cfg
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.tls_cafile)
+        if cfg.tls_certfile is not None and cfg.tls_keyfile is not None:
+            ctx.load_cert_chain(cfg.tls_certfile, cfg.tls_keyfile)
+        ctx.check_hostname = False  # members are named by the cluster key and the CA
+        return ctx
 
     async def _drain_store(self) -> None:
         if self.store is None:
@@ -389,12 +491,15 @@ class Node:
             "amqp": self.amqp_port,
             "admin": self.admin_port,
             "amqps": self.tls_port,
+            "replication": self.member.port if self.member is not None else None,
             "pid": os.getpid(),
             "node": self.cfg.node_id,
         }
         line = (
             f"tandem node {self.cfg.node_id} ready: amqp={self.amqp_port} "
-            f"admin={self.admin_port}" + (f" amqps={self.tls_port}" if self.tls_port else "")
+            f"admin={self.admin_port}"
+            + (f" amqps={self.tls_port}" if self.tls_port else "")
+            + (f" replication={self.member.port}" if self.member is not None else "")
         )
         print(line, flush=True)
         log.info("%s", line)

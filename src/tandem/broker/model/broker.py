@@ -15,11 +15,13 @@ class Broker:
         self.clock = clock
         self.vhosts: dict[str, VirtualHost] = {}
         self.users = Users()
+        self.default_replicate = "all"
 
     def add_vhost(self, name: str) -> VirtualHost:
         vh = self.vhosts.get(name)
         if vh is None:
             vh = VirtualHost(name, self.journal, self.clock)
+            vh.default_replicate = self.default_replicate
             self.vhosts[name] = vh
         return vh
 

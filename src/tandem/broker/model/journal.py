@@ -90,7 +90,9 @@ class Disk(Protocol):
 class Shipper(Protocol):
     """Replication, as the Sequencer sees it."""
 
-    held: int  # every shipped record up to this offset is held by the ISR
+    @property
+    def held(self) -> int:
+        """Every shipped record up to this offset is held by the ISR."""
 
     def ship(self, data: bytes, offset: int) -> None:
         """Send a record's frame to the followers."""

@@ -153,7 +153,7 @@ class Queue:
         self.dlx: str | None = None if dlx is None else str(dlx)
         dlrk = args.get("x-dead-letter-routing-key")
         self.dlrk: str | None = None if dlrk is None else str(dlrk)
-        default_replicate = "none" if exclusive_owner is not None else "all"
+        default_replicate = "none" if exclusive_owner is not None else vhost.default_replicate
         self.replicate = str(args.get("x-tandem-replicate", default_replicate))
         if self.replicate not in REPLICATE_MODES:
             raise errors.PreconditionFailed(f"invalid arg 'x-tandem-replicate': {self.replicate!r}")
@@ -173,6 +173,9 @@ class Queue:
         self.single_active = bool(args.get("x-single-active-consumer", False))
         # While records are applied (recovery, a backup): the messages by id.
         self.index: dict[int, Message] | None = None
+        # On a cluster member, the delivered messages awaiting their ack, by id: a full copy
+        # for a backup holds them too.
+        self.outstanding: dict[int, Message] = {}
         # Counters for metrics.
         self.published = 0
         self.delivered = 0
@@ -312,6 +315,7 @@ class Queue:
             self.unacked += 1
             if self.vhost.journal.shipping:
                 self.vhost.journal.mark(self, msg)
+                self.outstanding[msg.mid] = msg
         c.deliver(self, msg)
         if c.no_ack:
             self._forget(msg)
@@ -327,6 +331,7 @@ class Queue:
         self.delivered += 1
         if self.vhost.journal.shipping:
             self.vhost.journal.mark(self, msg)
+            self.outstanding[msg.mid] = msg
         return msg
 
     def settle(self, msg: Message) -> None:
@@ -348,6 +353,8 @@ class Queue:
 
     def requeue(self, msg: Message) -> None:
         """Put an unacked message back at the head, flagged redelivered."""
+        if self.outstanding:
+            self.outstanding.pop(msg.mid, None)
         if msg.refs > 1 and not msg.redelivered:
             # Shared with other queues: this queue's copy alone is redelivered.
             msg.refs -= 1
@@ -366,6 +373,8 @@ class Queue:
             self.requeue(msg)
 
     def _forget(self, msg: Message) -> None:
+        if self.outstanding:
+            self.outstanding.pop(msg.mid, None)
         journal = self.vhost.journal
         if (msg.persistent and self.durable) or journal.shipping:
             journal.dequeue(self, msg)
@@ -488,6 +497,7 @@ class Queue:
 
     def on_deleted(self) -> None:
         self.deleted = True
+        self.outstanding.clear()
         for c in list(self.consumers):
             c.cancelled_by_broker(self)
         self.consumers.clear()

@@ -27,7 +27,7 @@ STANDARD_EXCHANGES = (
 )
 
 
-def _replicated(b: Binding) -> bool:
+def replicated(b: Binding) -> bool:
     """A binding replicates unless its destination is a queue that does not."""
     dest = b.destination
     return not isinstance(dest, Queue) or dest.replicate != "none"
@@ -42,6 +42,7 @@ class VirtualHost:
         self.name = name
         self.journal = journal
         self.clock = clock
+        self.default_replicate = "all"  # x-tandem-replicate of a queue that does not say
         self.exchanges: dict[str, Exchange] = {}
         self.queues: dict[str, Queue] = {}
         self.exchanges[""] = EXCHANGE_TYPES["direct"]("", durable=True)
@@ -220,7 +221,7 @@ class VirtualHost:
         ex = b.source
         if ex.bind(b):
             durable = ex.durable and destination.durable
-            self.journal.define(self.name, "bind", self.binding_body(b), durable, _replicated(b))
+            self.journal.define(self.name, "bind", self.binding_body(b), durable, replicated(b))
 
     def _binding(
         self,
@@ -267,7 +268,7 @@ class VirtualHost:
             "unbind",
             self.binding_body(b),
             ex.durable and b.destination.durable,
-            _replicated(b),
+            replicated(b),
         )
         if ex.auto_delete and not ex.bindings and not ex.deleted:
             self.remove_exchange(ex)

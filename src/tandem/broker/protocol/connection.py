@@ -86,6 +86,8 @@ class Hub(Protocol):
 
     blocked_reason: str | None
     reply_to: dict[str, Consumer]
+    # Why this node serves no clients (a backup names its primary), or None.
+    refusal: str | None
 
 
 # -- consumers -------------------------------------------------------------------------
@@ -791,6 +793,8 @@ class Connection:
         self.state = "open"
 
     def _open(self, method: commands.Connection.Open) -> None:
+        if self.hub.refusal is not None:
+            raise errors.NotAllowed(self.hub.refusal, 10, 40)
         name = method.virtual_host or "/"
         vhost = self.broker.vhosts.get(name)
         if vhost is None:

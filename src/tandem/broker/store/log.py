@@ -50,9 +50,10 @@ class Recovered:
 
 
 class _Batch:
-    __slots__ = ("callbacks", "chunks", "deletes", "epochs", "through")
+    __slots__ = ("callbacks", "chunks", "deletes", "epochs", "generation", "through")
 
-    def __init__(self) -> None:
+    def __init__(self, generation: int = 0) -> None:
+        self.generation = generation  # the log it belongs to (a reset starts another)
         self.chunks: list[tuple[int, bytes]] = []  # (segment, bytes)
         self.callbacks: list[Callable[[], None]] = []
         self.deletes: list[int] = []
@@ -94,6 +95,7 @@ class Store:
         self.synced_batches = 0
         self.fsync_seconds: Callable[[float], None] = lambda s: None
         self.sizes: dict[int, int] = {}  # bytes of each segment known to be written
+        self.generation = 0
 
     # -- the Disk port --
 
@@ -122,6 +124,28 @@ class Store:
     def boundary(self, epoch: int, first: int) -> None:
         self.pending.epochs.append((epoch, first))
         self._schedule()
+
+    def reset(self, boundaries: list[tuple[int, int]]) -> None:
+        """Start the log over (a backup takes a full copy): every segment goes, and the
+        epochs file holds `boundaries`."""
+        with self.lock:  # the writer is not in the middle of a batch
+            self.generation += 1
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
+            for path in self.dir.glob("*.seg"):
+                path.unlink()
+            self._rewrite_epochs(boundaries)
+        self.pending.chunks.clear()
+        self.pending.deletes.clear()
+        self.pending.epochs.clear()
+        self.pending.generation = self.generation
+        self.where.clear()
+        self.segments.clear()
+        self.sizes.clear()
+        self.active += 1
+        self.segments[self.active] = 0
+        self.active_size = 0
 
     def when_synced(self, callback: Callable[[], None]) -> None:
         """Call back once everything handed so far is on disk."""
@@ -201,7 +225,7 @@ class Store:
         pending = self.pending
         if self.inflight is not None or not (pending.chunks or pending.deletes or pending.epochs):
             return
-        batch, self.pending = pending, _Batch()
+        batch, self.pending = pending, _Batch(self.generation)
         batch.through = self.handed
         self.inflight = batch
         assert self.loop is not None
@@ -210,6 +234,8 @@ class Store:
 
     def _write_batch(self, batch: _Batch) -> float:
         with self.lock:
+            if batch.generation != self.generation:
+                return 0.0  # written for a log that was reset meanwhile
             if batch.epochs:
                 self._write_epochs(batch.epochs)
             touched: dict[int, int] = {}

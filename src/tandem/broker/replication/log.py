@@ -1,0 +1,220 @@
+"""The broker's log as the replication protocol sees it (`core.Log`).
+
+Entries are record frames. The primary keeps the frames it shipped last in a window bounded
+in bytes, so a member that comes back soon takes only what it lacks; one that has been away
+longer, one whose log went past the primary's (it cannot be cut back: applied records are not
+undone), and one that restarted (it lost what it held only in memory) take a full copy: the
+replicated definitions, every message of every queue replicated `all` with its position, and
+the marks of those delivered. A backup applies frames through the model's one apply path and
+writes the durable ones to its own log as they came.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tandem.broker.model import apply, records
+from tandem.broker.model import vhost as vhost_mod
+from tandem.broker.model.broker import Broker
+from tandem.broker.model.journal import Sequencer
+from tandem.broker.model.message import Message
+from tandem.broker.replication import core
+from tandem.broker.store.log import Store
+
+log = logging.getLogger(__name__)
+
+WINDOW_BYTES = 64 << 20
+
+
+class BrokerLog:
+    """Implements core.Log over the node's Sequencer, model and store."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        sequencer: Sequencer,
+        store: Store | None,
+        *,
+        window_bytes: int = WINDOW_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.broker = broker
+        self.sequencer = sequencer
+        self.store = store
+        self.window: collections.deque[tuple[int, bytes, float]] = collections.deque()
+        self.window_bytes = 0
+        self.window_limit = window_bytes
+        self.clock = clock
+        # A log recovered from disk names records that were only in memory (transient
+        # messages on replicated queues): it is whole again once it took a full copy.
+        self.lost = sequencer.offset > 0
+        self.on_checkpoint: Callable[[int, int, dict[str, Any]], None] = lambda e, o, b: None
+
+    # -- what the protocol reads --
+
+    @property
+    def end(self) -> int:
+        return self.sequencer.offset
+
+    @property
+    def last_epoch(self) -> int:
+        bounds = self.sequencer.boundaries
+        return bounds[-1][0] if bounds else 0
+
+    @property
+    def whole(self) -> bool:
+        return not self.lost
+
+    @property
+    def truncates(self) -> bool:
+        return False
+
+    def boundaries(self) -> core.Boundaries:
+        return tuple(self.sequencer.boundaries)
+
+    def keep(self, offset: int, data: bytes) -> None:
+        """A frame shipped (or applied) at `offset`: keep it for members catching up."""
+        self.window.append((offset, data, self.clock()))
+        self.window_bytes += len(data)
+        while self.window_bytes > self.window_limit and len(self.window) > 1:
+            self.window_bytes -= len(self.window.popleft()[1])
+
+    def since(self, offset: int) -> Sequence[bytes] | None:
+        if offset >= self.end:
+            return ()
+        window = self.window
+        if not window or window[0][0] > offset + 1:
+            return None
+        start = offset + 1 - window[0][0]
+        return [data for _o, data, _t in itertools.islice(window, start, None)]
+
+    def age(self, offset: int) -> float:
+        """Seconds since the record after `offset` was shipped (0 when there is none)."""
+        window = self.window
+        if not window or offset >= self.end:
+            return 0.0
+        index = offset + 1 - window[0][0]
+        if index < 0:
+            return self.clock() - window[0][2]
+        return self.clock() - window[index][2]
+
+    def snapshot(self) -> list[bytes]:
+        """A full copy of the replicated state at `end`, as frames."""
+        sequencer = self.sequencer
+        epoch = self.last_epoch
+        out = [
+            records.frame(
+                records.SNAPSHOT,
+                epoch,
+                self.end,
+                json.dumps(apply.durable_definitions(self.broker), separators=(",", ":")).encode(),
+            )
+        ]
+        bounds = sequencer.boundaries
+
+        def epoch_at(offset: int) -> int:
+            found = bounds[0][0] if bounds else epoch
+            for e, first in bounds:
+                if first > offset:
+                    break
+                found = e
+            return found
+
+        for vh in self.broker.vhosts.values():
+            for ex in vh.exchanges.values():
+                if not ex.durable and ex.name:
+                    body = records.define(vh.name, "exchange.declare", vh.exchange_body(ex))
+                    out.append(records.frame(records.DEFINE, epoch, self.end, body, False))
+            for q in vh.queues.values():
+                if not q.durable and q.replicate != "none":
+                    body = records.define(vh.name, "queue.declare", vh.queue_body(q))
+                    out.append(records.frame(records.DEFINE, epoch, self.end, body, False))
+            for b in vh.bindings():
+                durable = b.source.durable and b.destination.durable
+                if not durable and vhost_mod.replicated(b):
+                    body = records.define(vh.name, "bind", vh.binding_body(b))
+                    out.append(records.frame(records.DEFINE, epoch, self.end, body, False))
+            for q in vh.queues.values():
+                if q.replicate != "all":
+                    continue
+                held: list[Message] = sorted(
+                    [*q.messages, *q.outstanding.values()], key=lambda m: m.mid
+                )
+                for m in held:
+                    durable = m.persistent and q.durable
+                    e = epoch_at(m.mid)
+                    payload = records.enqueue(vh.name, q.name, m)
+                    out.append(records.frame(records.ENQUEUE, e, m.mid, payload, durable))
+                    if m.redelivered or m.mid in q.outstanding:
+                        key = records.key(vh.name, q.name, m.mid)
+                        out.append(records.frame(records.MARK, e, m.mid, key, False))
+        return out
+
+    # -- what the protocol writes (on a backup) --
+
+    def truncate(self, offset: int) -> None:
+        if offset != self.end:
+            raise AssertionError("a broker log is never cut back; the primary sends a full copy")
+
+    def extend(self, entries: Sequence[bytes]) -> None:
+        for data in entries:
+            self._take(data)
+
+    def _take(self, data: bytes) -> None:
+        rtype, epoch, offset, durable = records.head(data)
+        payload = records.payload(data)
+        sequencer, store = self.sequencer, self.store
+        bounds = sequencer.boundaries
+        if store is not None and (not bounds or bounds[-1][0] != epoch):
+            store.boundary(epoch, offset)
+        if durable and store is not None:
+            key = None
+            if rtype in (records.ENQUEUE, records.DEQUEUE):
+                key = records.read_key(payload)
+            elif rtype == records.DEFINE:
+                rec = records.json_payload(payload)
+                if rec["op"] == "queue.delete":
+                    store.forget_queue(rec["vhost"], rec["body"]["name"])
+            store.write(rtype, offset, data, key)
+        try:
+            apply.apply(self.broker, rtype, payload)
+        except ValueError as exc:
+            log.error("record (%d, %d) from the primary not applied: %s", epoch, offset, exc)
+        if rtype == records.CHECKPOINT:
+            self.on_checkpoint(epoch, offset, records.json_payload(payload))
+        sequencer.follow(epoch, offset)
+        self.keep(offset, data)
+
+    def install(self, boundaries: core.Boundaries, end: int, snapshot: Any) -> None:
+        """Replace the whole state with the primary's copy (taken at `end`)."""
+        broker, sequencer = self.broker, self.sequencer
+        for name in list(broker.vhosts):
+            vh = broker.vhosts[name]
+            for q in list(vh.queues.values()):
+                vh.delete_queue(q)
+            for ex in [
+                e for e in vh.exchanges.values() if e.name and not e.name.startswith("amq.")
+            ]:
+                vh.remove_exchange(ex)
+        if self.store is not None:
+            self.store.reset(list(boundaries))
+        self.window.clear()
+        self.window_bytes = 0
+        for data in snapshot:
+            rtype, _epoch, offset, durable = records.head(data)
+            payload = records.payload(data)
+            if durable and self.store is not None:
+                key = records.read_key(payload) if rtype == records.ENQUEUE else None
+                self.store.write(rtype, offset, data, key)
+            apply.apply(broker, rtype, payload)
+        sequencer.reset(boundaries, end)
+        self.lost = False
+        log.info(
+            "took a full copy from the primary: %d records up to offset %d", len(snapshot), end
+        )

@@ -1,0 +1,520 @@
+"""A cluster member's replication: an asyncio shell around `core.Replica`.
+
+It owns the replication listener, the link a backup keeps to its primary, the controller's
+commands (fence, promote, follow, and the election record's ISR), and the Sequencer's
+`Shipper` port on a primary. Every decision is the core's; this module moves its messages:
+
+- a backup connects to the primary, proves it holds the cluster key (an HMAC of the
+  primary's challenge), says Hello and applies what it is sent; it acks only once the
+  durable records among them are on its disk (rule 3's "on disk");
+- a primary ships each batch of frames to every follower on the loop turn it was made, and
+  a follower whose unsent bytes pass `SLOW_BYTES` is disconnected: the primary's memory stays
+  bounded, the controller drops the member from the ISR (rule 4), and it catches up later;
+- the epoch and the cluster id live in `<data_dir>/cluster.json`, written before an answer
+  leaves, so a restart never forgets an epoch it adopted (rule 1), and a member whose store
+  belongs to another cluster refuses to join and says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import ssl
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from tandem.broker.model.broker import Broker
+from tandem.broker.model.journal import Sequencer
+from tandem.broker.replication import core, wire
+from tandem.broker.replication.log import BrokerLog
+from tandem.broker.store.log import Store
+from tandem.ha.model import ElectionRecord, Role
+
+log = logging.getLogger(__name__)
+
+SLOW_BYTES = 64 << 20  # unsent bytes to one follower before it is cut off
+RETRY_SECONDS = 0.2  # between attempts to reach the primary
+TICK_SECONDS = 0.5  # a backup repeats its ack (or its Hello) this often
+
+
+class Hooks(Protocol):
+    """What the member needs of its node."""
+
+    def promoted(self, epoch: int) -> None:
+        """This node is primary of `epoch`: serve clients."""
+
+    def demoted(self, epoch: int) -> None:
+        """A higher epoch was seen: close clients (320) and stop serving."""
+
+    def isr_blocked(self, reason: str | None) -> None:
+        """Below the ISR minimum, publishers are blocked (connection.blocked)."""
+
+    def following(self, primary: str, amqp: str | None) -> None:
+        """This backup replicates from `primary`, whose clients connect to `amqp`."""
+
+
+class RefusedError(Exception):
+    """The other end will not replicate with this one, for the reason given."""
+
+
+def record_to_json(rec: ElectionRecord) -> dict[str, Any]:
+    return {
+        "holder": rec.holder,
+        "epoch": rec.epoch,
+        "isr": sorted(rec.isr),
+        "tracking": sorted(rec.tracking),
+        "version": rec.version,
+    }
+
+
+def record_from_json(data: Any) -> ElectionRecord:
+    if not isinstance(data, dict):
+        raise ValueError("an election record is a JSON object")
+    holder = data.get("holder")
+    return ElectionRecord(
+        holder=None if holder is None else str(holder),
+        epoch=int(data["epoch"]),
+        isr=frozenset(str(n) for n in data["isr"]),
+        version=int(data.get("version", 0)),
+        tracking=frozenset(str(n) for n in data.get("tracking", ())),
+    )
+
+
+class State:
+    """`<data_dir>/cluster.json`: the highest epoch adopted and the cluster this store is in."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.epoch = 0
+        self.cluster = ""
+        if path is not None and path.exists():
+            data = json.loads(path.read_text())
+            self.epoch, self.cluster = int(data.get("epoch", 0)), str(data.get("cluster", ""))
+
+    def save(self, epoch: int, cluster: str) -> None:
+        if (epoch, cluster) == (self.epoch, self.cluster):
+            return
+        self.epoch, self.cluster = epoch, cluster
+        if self.path is None:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"epoch": epoch, "cluster": cluster}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+class Member:
+    """Implements the Sequencer's Shipper port on a primary."""
+
+    def __init__(
+        self,
+        node: str,
+        broker: Broker,
+        sequencer: Sequencer,
+        store: Store | None,
+        hooks: Hooks,
+        *,
+        key: bytes,
+        data_dir: Path | None,
+        isr_min: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        server_ssl: ssl.SSLContext | None = None,
+        client_ssl: ssl.SSLContext | None = None,
+    ) -> None:
+        self.node = node
+        self.broker = broker
+        self.sequencer = sequencer
+        self.store = store
+        self.hooks = hooks
+        self.key = key
+        self.host, self.port = host, port
+        self.server_ssl, self.client_ssl = server_ssl, client_ssl
+        self.state = State(data_dir / "cluster.json" if data_dir is not None else None)
+        self.log = BrokerLog(broker, sequencer, store)
+        self.replica = core.Replica(node, isr_min=isr_min, epoch=self.state.epoch, log=self.log)
+        self.replica.restart(time.time_ns())
+        self.peers: dict[str, asyncio.StreamWriter] = {}  # followers, by node
+        self.upstream: asyncio.StreamWriter | None = None  # the link to our primary
+        self.primary_address: tuple[str, int] | None = None
+        self.link: asyncio.Task[None] | None = None
+        self.tg: asyncio.TaskGroup | None = None
+        self.pending: list[bytes] = []
+        self.pending_start = 0
+        self.flush_scheduled = False
+        self.ack: tuple[str, core.Ack] | None = None
+        self.ack_scheduled = False
+        self.refused: str | None = None  # why this member cannot join its primary
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.server: asyncio.Server | None = None
+        self.failovers = 0
+        self.caught_up_bytes = 0
+        self.rtt = 0.0
+        sequencer.applying = True  # a member serves nothing until it is promoted
+
+    # -- the Shipper port --
+
+    @property
+    def held(self) -> int:
+        return self.replica.confirmed if self.replica.role is Role.PRIMARY else 0
+
+    def ship(self, data: bytes, offset: int) -> None:
+        self.log.keep(offset, data)
+        if not self.pending:
+            self.pending_start = offset
+            if not self.flush_scheduled and self.loop is not None:
+                self.flush_scheduled = True
+                self.loop.call_soon(self._flush)
+        self.pending.append(data)
+
+    def _flush(self) -> None:
+        self.flush_scheduled = False
+        if not self.pending or self.replica.role is not Role.PRIMARY:
+            self.pending = []
+            return
+        frames, self.pending = self.pending, []
+        self._send(self.replica.appended(self.pending_start, frames))
+        self.sequencer.progress()
+
+    # -- the controller's commands --
+
+    def fence(self, epoch: int) -> dict[str, Any]:
+        return self._control(core.Fence(epoch))
+
+    def promote(self, record: ElectionRecord) -> dict[str, Any]:
+        return self._control(core.Promote(record))
+
+    def inform(self, record: ElectionRecord) -> dict[str, Any]:
+        return self._control(core.Inform(record))
+
+    def follow(
+        self, primary: str, epoch: int, address: tuple[str, int], amqp: str | None = None
+    ) -> dict[str, Any]:
+        before = self.replica.following
+        answer = self._control(core.Follow(primary, epoch))
+        if self.replica.following == primary:
+            self.hooks.following(primary, amqp)
+            if before != primary or self.primary_address != address or self.link is None:
+                self.primary_address = address
+                self._start_link(primary, address)
+        return answer
+
+    def _control(self, msg: core.ControlMessage) -> dict[str, Any]:
+        before = (self.replica.role, self.replica.epoch)
+        outs = self.replica.control(msg)
+        self._after(before)
+        self._send(outs)
+        return self.status()
+
+    # -- after every step of the core --
+
+    def _after(self, before: tuple[Role, int]) -> None:
+        r = self.replica
+        role, epoch = before
+        if r.epoch != epoch:
+            cluster = self.state.cluster
+            if r.role is Role.PRIMARY and not cluster:
+                cluster = uuid.uuid4().hex  # the first primary names the cluster
+            self.state.save(r.epoch, cluster)
+        if role is Role.PRIMARY and r.role is not Role.PRIMARY:
+            log.warning("node %s: epoch %d is higher than ours; stepping down", self.node, r.epoch)
+            self.sequencer.shipper = None
+            self.pending = []
+            self.hooks.demoted(r.epoch)
+            self.sequencer.applying = True
+            self.log.lost = True  # what it did alone since is not the cluster's history
+            self.hooks.isr_blocked(None)
+        elif r.role is Role.PRIMARY and role is not Role.PRIMARY:
+            if not self.state.cluster:
+                self.state.save(r.epoch, uuid.uuid4().hex)
+            self._stop_link()
+            self.failovers += 1
+            self.sequencer.applying = False
+            self.sequencer.begin_term(r.epoch)
+            self.sequencer.shipper = self
+            self.log.lost = False
+            self.hooks.promoted(r.epoch)
+        if r.role is Role.PRIMARY:
+            self.hooks.isr_blocked(
+                None
+                if r.accepting
+                else f"the in-sync set {sorted(r.isr)} is below its minimum of {r.isr_min}; "
+                "publishes wait until a member catches up"
+            )
+            self.sequencer.progress()
+
+    def _send(self, outs: Sequence[core.Out]) -> None:
+        for dest, msg in outs:
+            if isinstance(msg, core.Ack) and self.store is not None:
+                self.ack = (dest, msg)  # sent once what it acks is on disk
+                if not self.ack_scheduled:
+                    self.ack_scheduled = True
+                    self.store.when_synced(self._send_ack)
+                continue
+            self._write(dest, wire.encode(msg))
+
+    def _send_ack(self) -> None:
+        self.ack_scheduled = False
+        if self.ack is not None:
+            dest, msg = self.ack
+            self.ack = None
+            self._write(dest, wire.encode(msg))
+
+    def _write(self, dest: str, data: bytes) -> None:
+        writer = self.upstream if dest == self.replica.following else self.peers.get(dest)
+        if writer is None or writer.is_closing():
+            return  # as if lost: the core's retries and rejoins cover it
+        writer.write(data)
+        unsent = writer.transport.get_write_buffer_size()
+        if unsent > SLOW_BYTES and dest in self.peers:
+            log.warning(
+                "node %s: member %s is %d bytes behind on the wire; disconnecting it (it "
+                "catches up when it returns)",
+                self.node,
+                dest,
+                unsent,
+            )
+            writer.transport.abort()
+
+    def on_peer(self, msg: core.PeerMessage) -> None:
+        before = (self.replica.role, self.replica.epoch)
+        if isinstance(msg, core.Sync) and msg.full is not None:
+            self.caught_up_bytes += sum(len(f) for f in msg.full)
+        elif isinstance(msg, core.Sync):
+            self.caught_up_bytes += sum(len(f) for f in msg.entries)
+        outs = self.replica.peer(msg)
+        self._after(before)
+        self._send(outs)
+
+    # -- the listener --
+
+    async def start(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        self.server = await asyncio.start_server(
+            self._accept, self.host, self.port, ssl=self.server_ssl
+        )
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with asyncio.TaskGroup() as tg:
+            self.tg = tg
+            tg.create_task(self._ticker(stop))
+            await stop.wait()
+            self._stop_link()
+            if self.server is not None:
+                self.server.close()
+            for w in list(self.peers.values()):
+                w.close()
+        self.tg = None
+
+    async def _ticker(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), TICK_SECONDS)
+            try:
+                if self.replica.role is not Role.PRIMARY and self.upstream is not None:
+                    self._send(self.replica.tick())
+            except Exception:
+                log.exception("unexpected error, please report it as a bug: replication tick")
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = "?"
+        try:
+            nonce = secrets.token_hex(16)
+            hello = {"version": wire.VERSION, "node": self.node, "nonce": nonce}
+            hello["cluster"] = self.state.cluster
+            writer.write(wire.pack(wire.CHALLENGE, hello))
+            kind, answer, _ = await _read(reader)
+            peer = str(answer.get("node", "?"))
+            why = self._check_answer(kind, answer, nonce)
+            if why is not None:
+                log.warning("node %s: refused replication from %s: %s", self.node, peer, why)
+                writer.write(wire.pack(wire.REFUSE, {"reason": why}))
+                await writer.drain()
+                return
+            writer.write(wire.pack(wire.WELCOME, {"node": self.node}))
+            old = self.peers.get(peer)
+            if old is not None:
+                old.close()
+            self.peers[peer] = writer
+            log.info("node %s: member %s connected for replication", self.node, peer)
+            while True:
+                data = await _read_raw(reader)
+                self.on_peer(wire.decode(data))
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            pass
+        except wire.WireError as exc:
+            log.warning("node %s: replication from %s: %s; disconnecting", self.node, peer, exc)
+        except Exception:
+            log.exception("unexpected error, please report it as a bug: replication from %s", peer)
+        finally:
+            if self.peers.get(peer) is writer:
+                del self.peers[peer]
+                before = (self.replica.role, self.replica.epoch)
+                self.replica.disconnected(peer)
+                self._after(before)
+            writer.close()
+
+    def _check_answer(self, kind: int, answer: dict[str, Any], nonce: str) -> str | None:
+        if kind != wire.ANSWER:
+            return "expected an answer to the challenge"
+        if answer.get("version") != wire.VERSION:
+            return (
+                f"it speaks replication protocol version {answer.get('version')}, this node "
+                f"speaks {wire.VERSION}"
+            )
+        node = str(answer.get("node", ""))
+        if not wire.check_proof(self.key, nonce, node, str(answer.get("proof", ""))):
+            return "wrong cluster key"
+        theirs, mine = str(answer.get("cluster", "")), self.state.cluster
+        if theirs and mine and theirs != mine:
+            return (
+                f"its store belongs to cluster {theirs}, this is cluster {mine}; give it an "
+                "empty data dir to join"
+            )
+        return None
+
+    # -- the link to our primary --
+
+    def _start_link(self, primary: str, address: tuple[str, int]) -> None:
+        self._stop_link()
+        if self.tg is None:
+            return
+        self.refused = None
+        self.link = self.tg.create_task(self._keep_link(primary, address))
+
+    def _stop_link(self) -> None:
+        if self.link is not None:
+            self.link.cancel()
+            self.link = None
+        if self.upstream is not None:
+            self.upstream.close()
+            self.upstream = None
+
+    async def _keep_link(self, primary: str, address: tuple[str, int]) -> None:
+        while self.replica.following == primary:
+            try:
+                await self._linked(primary, address)
+            except RefusedError as exc:
+                self.refused = str(exc)
+                log.error("node %s cannot replicate from %s: %s", self.node, primary, exc)
+                if "cluster" in str(exc) and "belongs" in str(exc):
+                    return  # waiting will not help
+            except (OSError, asyncio.IncompleteReadError, ssl.SSLError, wire.WireError) as exc:
+                log.info("node %s: link to primary %s: %r", self.node, primary, exc)
+            except Exception:
+                log.exception("unexpected error, please report it as a bug: replication link")
+            finally:
+                if self.upstream is not None:
+                    self.upstream.close()
+                    self.upstream = None
+            await asyncio.sleep(RETRY_SECONDS)  # then try the primary again
+
+    async def _linked(self, primary: str, address: tuple[str, int]) -> None:
+        host, port = address
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=self.client_ssl, server_hostname=host if self.client_ssl else None
+        )
+        try:
+            kind, challenge, _ = await _read(reader)
+            if kind != wire.CHALLENGE:
+                raise RefusedError("the primary did not send a challenge")
+            if challenge.get("version") != wire.VERSION:
+                raise RefusedError(
+                    f"the primary speaks replication protocol version "
+                    f"{challenge.get('version')}, this node speaks {wire.VERSION}"
+                )
+            theirs, mine = str(challenge.get("cluster", "")), self.state.cluster
+            if theirs and mine and theirs != mine:
+                raise RefusedError(
+                    f"this node's store belongs to cluster {mine}, the primary {primary} is in "
+                    f"cluster {theirs}; give this node an empty data dir to join"
+                )
+            nonce = str(challenge.get("nonce", ""))
+            answer = {
+                "version": wire.VERSION,
+                "node": self.node,
+                "cluster": mine,
+                "proof": wire.proof(self.key, nonce, self.node),
+            }
+            writer.write(wire.pack(wire.ANSWER, answer))
+            kind, reply, _ = await _read(reader)
+            if kind == wire.REFUSE:
+                raise RefusedError(str(reply.get("reason", "refused")))
+            if kind != wire.WELCOME:
+                raise RefusedError("the primary did not welcome this node")
+            if theirs and not mine:
+                self.state.save(self.replica.epoch, theirs)
+            self.upstream = writer
+            self.refused = None
+            log.info("node %s: replicating from %s at %s:%d", self.node, primary, host, port)
+            self._control(core.Follow(primary, self.replica.epoch))  # a fresh Hello
+            while True:
+                data = await _read_raw(reader)
+                self.on_peer(wire.decode(data))
+        finally:
+            writer.close()
+
+    # -- what /status shows --
+
+    def status(self) -> dict[str, Any]:
+        r = self.replica
+        out: dict[str, Any] = {
+            "role": r.role.value,
+            "epoch": r.epoch,
+            "position": self.log.end,
+            "last_epoch": self.log.last_epoch,
+            "whole": self.log.whole,
+            "following": r.following,
+            "synced": r.synced,
+            "cluster": self.state.cluster,
+            "replication_port": self.port,
+            "refused": self.refused,
+            "failovers": self.failovers,
+            "catch_up_bytes": self.caught_up_bytes,
+        }
+        if r.role is Role.PRIMARY:
+            members = {}
+            for n in sorted(set(r.peers) | r.isr | r.tracking):
+                if n == self.node:
+                    continue
+                caught_up, waited, lag = r.report(n)
+                acked = r.acked.get(n)
+                members[n] = {
+                    "connected": n in self.peers,
+                    "caught_up": caught_up,
+                    "waited": waited,
+                    "lag_records": lag,
+                    "lag_seconds": round(self.log.age(acked or 0), 3) if lag else 0.0,
+                }
+            out.update(
+                isr=sorted(r.isr),
+                tracking=sorted(r.tracking),
+                applied_version=r.applied_version,
+                confirmed=r.confirmed,
+                accepting=r.accepting,
+                members=members,
+            )
+        return out
+
+
+async def _read_raw(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readexactly(wire.HEAD.size)
+    length = int.from_bytes(head[:4], "big")
+    if length > wire.MAX_MESSAGE or length < 5:
+        raise wire.WireError(f"bad message length {length}")
+    return head + await reader.readexactly(length - (wire.HEAD.size - 4))
+
+
+async def _read(reader: asyncio.StreamReader) -> tuple[int, dict[str, Any], bytes]:
+    return wire.header(await _read_raw(reader))

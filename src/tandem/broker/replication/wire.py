@@ -1,0 +1,172 @@
+"""The replication protocol on the wire, pure: peer messages to bytes and back.
+
+    length u32 | kind u8 | header length u32 | header (JSON) | record frames
+
+The header holds a message's fields; entries (and a full copy) are record frames, sent as
+they are on disk, one after another (each frame says its own length). Before any peer
+message, the two ends authenticate: the listener sends a challenge with its protocol
+version and cluster, the member that connects answers with an HMAC of the challenge under
+the cluster key, and the listener welcomes or refuses it with a reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from tandem.broker.model import records
+from tandem.broker.replication import core
+
+VERSION = 1
+HEAD = struct.Struct(">IBI")  # total length after this u32, kind, header length
+MAX_MESSAGE = 1 << 30
+
+HELLO, SYNC, APPEND, ACK, REJOIN, STALE = 1, 2, 3, 4, 5, 6
+CHALLENGE, ANSWER, WELCOME, REFUSE = 10, 11, 12, 13
+
+_KINDS: dict[type, int] = {
+    core.Hello: HELLO,
+    core.Sync: SYNC,
+    core.Append: APPEND,
+    core.Ack: ACK,
+    core.Rejoin: REJOIN,
+    core.Stale: STALE,
+}
+
+
+class WireError(Exception):
+    """A message that does not parse: the connection is closed."""
+
+
+def pack(kind: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> bytes:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = b"".join(frames)
+    return HEAD.pack(1 + 4 + len(head) + len(body), kind, len(head)) + head + body
+
+
+def encode(msg: core.PeerMessage) -> bytes:
+    kind = _KINDS[type(msg)]
+    h: dict[str, Any] = {"sender": msg.sender, "epoch": msg.epoch}
+    frames: Sequence[bytes] = ()
+    if isinstance(msg, core.Hello):
+        h.update(
+            session=list(msg.session),
+            boundaries=[list(b) for b in msg.boundaries],
+            end=msg.end,
+            whole=msg.whole,
+        )
+    elif isinstance(msg, core.Sync):
+        h.update(session=list(msg.session), agree=msg.agree, end=msg.end)
+        h["boundaries"] = [list(b) for b in msg.boundaries]
+        if msg.full is not None:
+            h["full"] = True
+            frames = msg.full
+        else:
+            frames = msg.entries
+    elif isinstance(msg, core.Append):
+        h["start"] = msg.start
+        frames = msg.entries
+    elif isinstance(msg, core.Ack):
+        h.update(session=list(msg.session), offset=msg.offset)
+    return pack(kind, h, frames)
+
+
+def split(data: bytes) -> tuple[int, int] | None:
+    """(kind, total size) of the first whole message in `data`, or None for more bytes."""
+    if len(data) < HEAD.size:
+        return None
+    length, kind, _hlen = HEAD.unpack_from(data, 0)
+    if length > MAX_MESSAGE:
+        raise WireError(f"message of {length} bytes is over the limit")
+    if len(data) < 4 + length:
+        return None
+    return kind, 4 + length
+
+
+def header(data: bytes) -> tuple[int, dict[str, Any], bytes]:
+    """(kind, header, the frames' bytes) of one whole message."""
+    length, kind, hlen = HEAD.unpack_from(data, 0)
+    start = HEAD.size
+    try:
+        h = json.loads(data[start : start + hlen])
+    except ValueError as exc:
+        raise WireError(f"bad message header: {exc}") from None
+    if not isinstance(h, dict):
+        raise WireError("bad message header: not an object")
+    return kind, h, data[start + hlen : 4 + length]
+
+
+def frames(data: bytes) -> list[bytes]:
+    """Split checked record frames; a frame that does not check out ends the connection."""
+    out: list[bytes] = []
+    pos, n = 0, len(data)
+    while pos < n:
+        if n - pos < records.HEADER:
+            raise WireError("truncated record frame")
+        _m, length, _crc = records.REC_HDR.unpack_from(data, pos)
+        end = pos + records.REC_HDR.size + length
+        if end > n:
+            raise WireError("truncated record frame")
+        out.append(data[pos:end])
+        pos = end
+    found, _end, corrupt, torn = records.scan(data, "replication stream", stop_at_corrupt=True)
+    if corrupt or torn or len(found) != len(out):
+        raise WireError("a record frame does not check out")
+    return out
+
+
+def decode(data: bytes) -> core.PeerMessage:
+    kind, h, body = header(data)
+    try:
+        sender, epoch = str(h["sender"]), int(h["epoch"])
+        if kind == HELLO:
+            return core.Hello(
+                sender,
+                epoch,
+                _session(h["session"]),
+                _boundaries(h["boundaries"]),
+                int(h["end"]),
+                bool(h["whole"]),
+            )
+        if kind == SYNC:
+            entries = frames(body)
+            session = _session(h["session"])
+            bounds = _boundaries(h["boundaries"])
+            if h.get("full"):
+                return core.Sync(sender, epoch, session, 0, (), entries, bounds, int(h["end"]))
+            return core.Sync(sender, epoch, session, int(h["agree"]), entries)
+        if kind == APPEND:
+            return core.Append(sender, epoch, int(h["start"]), frames(body))
+        if kind == ACK:
+            return core.Ack(sender, epoch, _session(h["session"]), int(h["offset"]))
+        if kind == REJOIN:
+            return core.Rejoin(sender, epoch)
+        if kind == STALE:
+            return core.Stale(sender, epoch)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"bad message of kind {kind}: {exc!r}") from None
+    raise WireError(f"unknown message kind {kind}")
+
+
+def _session(value: Any) -> core.Session:
+    a, b = value
+    return int(a), int(b)
+
+
+def _boundaries(value: Any) -> core.Boundaries:
+    return tuple((int(e), int(o)) for e, o in value)
+
+
+# -- authentication --
+
+
+def proof(key: bytes, nonce: str, node: str) -> str:
+    return hmac.new(key, f"tandem-replication:{nonce}:{node}".encode(), hashlib.sha256).hexdigest()
+
+
+def check_proof(key: bytes, nonce: str, node: str, given: str) -> bool:
+    return hmac.compare_digest(proof(key, nonce, node), given)
