@@ -4,6 +4,7 @@ rules named per test."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,9 @@ from typing import Any
 import pika
 import pika.exceptions
 import pytest
+from pamqp import commands
 
-from tests.support import BUG_PHRASE, Broker
+from tests.support import BUG_PHRASE, Broker, RawClient
 
 KEY = "test-cluster-key-0123456789abcdef"
 
@@ -141,3 +143,64 @@ def test_the_ha_commands_need_the_cluster_key(cluster: Cluster) -> None:
     code, answer = a.http("POST", "/ha/fence", {"epoch": 5}, token="wrong")
     assert code == 401 and "cluster key" in answer
     assert a.status()["epoch"] == 0
+
+
+def test_a_restarted_backup_takes_a_full_copy_before_it_counts(cluster: Cluster) -> None:
+    """Rule 4: a restarted member lost what it held in memory (transient messages): it says
+    so (`whole` false) until the primary sent it a full copy."""
+    a, b = cluster.add("a"), cluster.add("b")
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 50, persistent=False)
+    b.kill()
+    b.start()
+    assert b.status()["whole"] is False
+    assert b.queue("q")["depth"] == 0  # durable queue, transient messages: gone here
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 1, persistent=True, start=50)  # confirmed: b holds it, so b is synced
+    status = b.status()
+    assert status["whole"] is True and status["catch_up_bytes"] > 0
+    assert b.queue("q")["depth"] == 51
+
+
+def test_below_the_isr_minimum_publishers_are_blocked(cluster: Cluster) -> None:
+    """Rule 3: below the ISR minimum the primary blocks publishers rather than confirm
+    alone."""
+    a = cluster.add("a")
+    cluster.promote("a", 1, ["a"])  # isr_min 2
+    c = RawClient(a.amqp_port)
+    c.handshake()
+    blocked = c.expect(commands.Connection.Blocked)
+    assert "in-sync set ['a'] is below its minimum of 2" in blocked.reason
+    assert "replication" in a.status()["alarms"]
+
+
+def test_a_paused_primary_confirms_nothing_and_steps_down(cluster: Cluster) -> None:
+    """Rules 1 and 2: a primary paused while another was promoted cannot complete a round
+    once it resumes (the fenced members no longer take its records); told of the higher
+    epoch, it closes its clients with 320 and never confirms what it took meanwhile."""
+    a, b, _c = cluster.add("a"), cluster.add("b"), cluster.add("c")
+    cluster.promote("a", 1, ["a", "b", "c"])
+    cluster.follow("b", "a", 1)
+    cluster.follow("c", "a", 1)
+    publish(a, "q", 10)
+    client = RawClient(a.amqp_port)
+    client.handshake()
+    client.open_channel()
+    client.send_method(1, commands.Confirm.Select())
+    client.expect(commands.Confirm.SelectOk)
+    assert a.proc is not None
+    a.proc.send_signal(signal.SIGSTOP)
+    cluster.ha("b", "fence", {"epoch": 2})
+    cluster.ha("c", "fence", {"epoch": 2})
+    cluster.promote("b", 2, ["b", "c"])
+    cluster.follow("c", "b", 2)
+    a.proc.send_signal(signal.SIGCONT)
+    client.publish(1, "", "q", b"lost?", commands.Basic.Properties(delivery_mode=2))
+    cluster.follow("a", "b", 2)
+    # What comes back is the close, not an ack: nobody holds "lost?" in epoch 2.
+    _ch, reply = client.recv_frame()
+    assert isinstance(reply, commands.Connection.Close), reply
+    assert reply.reply_code == 320 and "no longer the primary (epoch 2)" in reply.reply_text
+    assert a.status()["role"] == "backup"
+    assert sorted(drain(b, "q")) == list(range(10))

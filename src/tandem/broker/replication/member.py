@@ -220,6 +220,8 @@ class Member:
     def _after(self, before: tuple[Role, int]) -> None:
         r = self.replica
         role, epoch = before
+        if self.link is not None and r.following is None:
+            self._stop_link()  # fenced: it takes nothing more from the old primary
         if r.epoch != epoch:
             cluster = self.state.cluster
             if r.role is Role.PRIMARY and not cluster:
