@@ -1,4 +1,4 @@
-"""`tandem broker | ctl`: the command line."""
+"""`tandem broker | cluster | ctl`: the command line."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from tandem import errors
 
@@ -63,6 +66,91 @@ def _broker(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"tandem: cannot start: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _cluster_up(args: argparse.Namespace) -> int:
+    from tandem.broker import config as config_mod
+    from tandem.local import cluster as cluster_mod
+
+    base: dict[str, Any] = {}
+    if args.config:
+        try:
+            config_mod.load(args.config)  # refused here, with the field named, if invalid
+            loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+        except (errors.ConfigError, OSError) as exc:
+            print(f"tandem: {exc}", file=sys.stderr)
+            return 2
+        base = {k: v for k, v in loaded.items() if k not in cluster_mod.MEMBER_SETTINGS}
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s [cluster] %(name)s: %(message)s",
+    )
+    cluster = cluster_mod.LocalCluster(
+        Path(args.data_dir).resolve(),
+        args.replicas,
+        amqp_port=args.amqp_port,
+        admin_port=args.admin_port,
+        isr_min=args.isr_min,
+        failover_delay=args.failover_delay,
+        base_config=base,
+    )
+    try:
+        asyncio.run(cluster_mod.up(cluster))
+    except errors.TandemError as exc:
+        print(f"tandem: cannot start the cluster: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"tandem: cannot start the cluster: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        print(f"tandem: cannot start the cluster: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cluster_get(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    req = urllib.request.Request(
+        url.rstrip("/") + path,
+        method="GET" if body is None else "POST",
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+CLUSTER_COLUMNS = ("node", "role", "epoch", "position", "lag_records", "in_isr", "pid")
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
+    try:
+        answer = _cluster_get(args.url, "/cluster")
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"tandem: cannot reach the cluster at {args.url}: {exc}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        print(json.dumps(answer, indent=2))
+        return 0
+    print(
+        f"primary: {answer['primary']}  epoch: {answer['epoch']}  "
+        f"isr: {','.join(answer['isr'])}  front: {answer['front']['host']}:"
+        f"{answer['front']['port']}"
+    )
+    print(_table(answer["members"], CLUSTER_COLUMNS))
+    return 0
+
+
+def _cluster_switchover(args: argparse.Namespace) -> int:
+    try:
+        answer = _cluster_get(args.url, "/cluster/switchover", {"to": args.to} if args.to else {})
+    except urllib.error.HTTPError as exc:
+        print(f"tandem: {_http_error(exc, 'switchover', {})}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"tandem: cannot reach the cluster at {args.url}: {exc}", file=sys.stderr)
+        return 1
+    print(f"switching over to {answer['switchover_to']}")
     return 0
 
 
@@ -239,6 +327,44 @@ def parser() -> argparse.ArgumentParser:
         "--cluster-key-file", help="file holding the cluster's shared key (or TANDEM_CLUSTER_KEY)"
     )
     b.set_defaults(func=_broker)
+    cl = sub.add_parser(
+        "cluster",
+        help="the local HA cluster: N brokers behind one address",
+        description="The local HA cluster (docs/failover.md).",
+    )
+    csub = cl.add_subparsers(dest="cluster_command", required=True)
+    up = csub.add_parser(
+        "up",
+        help="run N brokers, the election and one front port in the foreground",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    up.add_argument("--replicas", type=int, default=3, help="members")
+    up.add_argument("--amqp-port", type=_port, default=5672, help="the front port for clients")
+    up.add_argument("--admin-port", type=_port, default=15672, help="GET /cluster")
+    up.add_argument("--data-dir", default="tandem-data", help="the cluster's data")
+    up.add_argument("--config", help="YAML settings every member takes (users, limits)")
+    up.add_argument("--isr-min", type=int, help="ISR minimum (default 2, or 1 for one member)")
+    up.add_argument(
+        "--failover-delay", type=float, default=1.0, help="seconds a silent primary has"
+    )
+    up.add_argument("--log-level", default="info")
+    up.set_defaults(func=_cluster_up)
+    for name, fn, helptext in (
+        ("status", _cluster_status, "a table of the members"),
+        ("switchover", _cluster_switchover, "hand the primary role over"),
+    ):
+        cp = csub.add_parser(name, help=helptext)
+        cp.add_argument(
+            "--url",
+            default=os.environ.get("TANDEM_CLUSTER_URL", "http://127.0.0.1:15672"),
+            help="the cluster's admin address (or TANDEM_CLUSTER_URL)",
+        )
+        cp.set_defaults(func=fn)
+        if name == "status":
+            cp.add_argument("--format", choices=("table", "json"), default="table")
+        else:
+            cp.add_argument("--to", help="the member to promote (default: one in sync)")
+
     c = sub.add_parser(
         "ctl",
         help="manage a running node (users, vhosts, permissions)",

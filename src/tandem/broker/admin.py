@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
 from tandem.broker.model import definitions, spec
-from tandem.broker.replication import member as member_mod
+from tandem.ha.model import ElectionRecord
 
 if TYPE_CHECKING:
     from tandem.broker.node import Node
@@ -150,7 +150,8 @@ def make_app(node: Node) -> web.Application:
         return web.json_response({"ready": False}, status=503)
 
     async def status(request: web.Request) -> web.Response:
-        return web.json_response(node.status())
+        """GET /status; `?brief=1` leaves out the queues (the controller polls it often)."""
+        return web.json_response(node.status(brief=bool(request.query.get("brief"))))
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(
@@ -169,9 +170,9 @@ def make_app(node: Node) -> web.Application:
             if what == "fence":
                 answer = member.fence(int(body["epoch"]))
             elif what == "promote":
-                answer = member.promote(member_mod.record_from_json(body["record"]))
+                answer = member.promote(ElectionRecord.from_dict(body["record"]))
             elif what == "record":
-                answer = member.inform(member_mod.record_from_json(body["record"]))
+                answer = member.inform(ElectionRecord.from_dict(body["record"]))
             elif what == "follow":
                 host, _, port = str(body["address"]).rpartition(":")
                 amqp = body.get("amqp")

@@ -44,6 +44,7 @@ PATH_SETTINGS = (
     "tls_keyfile",
     "tls_cafile",
     "cluster_key_file",
+    "front_socket",
 )
 
 
@@ -92,6 +93,9 @@ class Config(BaseModel):
     replication_tls: StrictBool = False  # replication over TLS with the node's certificate
     isr_min: Annotated[StrictInt, Field(ge=1)] = 2
     default_replicate: Literal["none", "configuration", "all"] = "all"
+    # A Unix socket on which the local cluster's front port hands this node accepted client
+    # sockets (SCM_RIGHTS): clients reach the primary with no proxy hop.
+    front_socket: PathSetting | None = None
 
     @model_validator(mode="after")
     def _tls(self) -> Config:

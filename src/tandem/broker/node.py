@@ -10,6 +10,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import ssl
 from collections.abc import Awaitable
 from pathlib import Path
@@ -270,22 +271,26 @@ class Node:
 
     # -- status --
 
-    def status(self) -> dict[str, Any]:
+    def status(self, brief: bool = False) -> dict[str, Any]:
         journal = self.broker.journal
-        queues = [
-            {
-                "vhost": vh.name,
-                "name": q.name,
-                "depth": q.depth,
-                "ready": len(q.messages),
-                "unacked": q.unacked,
-                "consumers": len(q.consumers),
-                "durable": q.durable,
-                "replicate": q.replicate,
-            }
-            for vh in self.broker.vhosts.values()
-            for q in vh.queues.values()
-        ]
+        queues = (
+            []
+            if brief
+            else [
+                {
+                    "vhost": vh.name,
+                    "name": q.name,
+                    "depth": q.depth,
+                    "ready": len(q.messages),
+                    "unacked": q.unacked,
+                    "consumers": len(q.consumers),
+                    "durable": q.durable,
+                    "replicate": q.replicate,
+                }
+                for vh in self.broker.vhosts.values()
+                for q in vh.queues.values()
+            ]
+        )
         out = {
             "node": self.cfg.node_id,
             "role": self.role,
@@ -438,6 +443,8 @@ class Node:
                 tg.create_task(self._every(SWEEP_SECONDS, self._sweep, stop))
                 if self.member is not None:
                     tg.create_task(self.member.run(stop))
+                if cfg.front_socket is not None:
+                    tg.create_task(server.receive_sockets(str(cfg.front_socket), self._adopt, stop))
                 tg.create_task(self._every(ALARM_SECONDS, self.check_alarms, stop))
                 await stop.wait()
         finally:
@@ -455,6 +462,15 @@ class Node:
                 self.store.close()
             if self.lock is not None:
                 self.lock.release()
+
+    async def _adopt(self, sock: socket.socket) -> None:
+        """A client the front port accepted: served here while this node is primary."""
+        if self.role == "backup":
+            sock.close()  # the client reconnects through the front port to the new primary
+            return
+        await server.adopt(
+            sock, self.broker, self, self.limits, self.connections, self.cfg.max_connections
+        )
 
     def _sweep(self) -> None:
         """Expiry and idle queues are the primary's decisions; a backup applies them."""

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
+import os
+import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tandem.broker.model.broker import Broker
@@ -182,3 +186,84 @@ async def serve(
         reuse_address=True,
         backlog=1024,
     )
+
+
+async def adopt(
+    sock: socket.socket,
+    broker: Broker,
+    hub: conn_mod.Hub,
+    limits: conn_mod.Limits,
+    registry: set[AMQPProtocol],
+    max_connections: int,
+) -> None:
+    """Serve a client socket accepted elsewhere (the local cluster's front port)."""
+    loop = asyncio.get_running_loop()
+    await loop.connect_accepted_socket(
+        lambda: AMQPProtocol(broker, hub, limits, registry, max_connections), sock
+    )
+
+
+async def receive_sockets(
+    path: str,
+    adopt_one: Callable[[socket.socket], Awaitable[None]],
+    stop: asyncio.Event,
+) -> None:
+    """Listen on a Unix socket for client sockets passed with SCM_RIGHTS and adopt each."""
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o600)
+    listener.listen(8)
+    listener.setblocking(False)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(_close_on(stop, listener))
+            while not stop.is_set():
+                try:
+                    conn, _ = await loop.sock_accept(listener)
+                except OSError:
+                    break
+                tg.create_task(_handoffs(conn, adopt_one, stop))
+    finally:
+        listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+async def _close_on(stop: asyncio.Event, sock: socket.socket) -> None:
+    await stop.wait()
+    sock.close()
+
+
+async def _handoffs(
+    conn: socket.socket, adopt_one: Callable[[socket.socket], Awaitable[None]], stop: asyncio.Event
+) -> None:
+    loop = asyncio.get_running_loop()
+    conn.setblocking(False)
+    try:
+        while not stop.is_set():
+            try:
+                msg, fds, _flags, _addr = socket.recv_fds(conn, 64, 64)
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_reader(conn.fileno(), ready.set_result, None)
+                try:
+                    await ready
+                finally:
+                    loop.remove_reader(conn.fileno())
+                continue
+            if not msg and not fds:
+                return  # the front closed its end
+            for fd in fds:
+                client = socket.socket(fileno=fd)
+                try:
+                    await adopt_one(client)
+                except Exception:
+                    log.exception("unexpected error, please report it as a bug: adopting a client")
+                    client.close()
+    except OSError as exc:
+        log.warning("front socket: %s", exc)
+    finally:
+        conn.close()

@@ -90,6 +90,33 @@ class ElectionRecord:
         """A new cluster: no primary, epoch 0, every member in sync (all stores are empty)."""
         return cls(holder=None, epoch=0, isr=frozenset(nodes))
 
+    def to_dict(self) -> dict[str, object]:
+        """The record as JSON-ready values (the file, the /ha commands, a Lease)."""
+        return {
+            "holder": self.holder,
+            "epoch": self.epoch,
+            "isr": sorted(self.isr),
+            "tracking": sorted(self.tracking),
+            "version": self.version,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> ElectionRecord:
+        """Raises ValueError on anything but a record as `to_dict` writes it."""
+        if not isinstance(data, dict):
+            raise ValueError("an election record is a JSON object")
+        try:
+            holder = data.get("holder")
+            return cls(
+                holder=None if holder is None else str(holder),
+                epoch=int(data["epoch"]),
+                isr=frozenset(str(n) for n in data["isr"]),
+                version=int(data.get("version", 0)),
+                tracking=frozenset(str(n) for n in data.get("tracking", ())),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not an election record: {exc!r}") from None
+
     def describe(self) -> str:
         isr = ",".join(sorted(self.isr)) or "-"
         tracking = f" tracking={','.join(sorted(self.tracking))}" if self.tracking else ""

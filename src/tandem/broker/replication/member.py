@@ -64,29 +64,6 @@ class RefusedError(Exception):
     """The other end will not replicate with this one, for the reason given."""
 
 
-def record_to_json(rec: ElectionRecord) -> dict[str, Any]:
-    return {
-        "holder": rec.holder,
-        "epoch": rec.epoch,
-        "isr": sorted(rec.isr),
-        "tracking": sorted(rec.tracking),
-        "version": rec.version,
-    }
-
-
-def record_from_json(data: Any) -> ElectionRecord:
-    if not isinstance(data, dict):
-        raise ValueError("an election record is a JSON object")
-    holder = data.get("holder")
-    return ElectionRecord(
-        holder=None if holder is None else str(holder),
-        epoch=int(data["epoch"]),
-        isr=frozenset(str(n) for n in data["isr"]),
-        version=int(data.get("version", 0)),
-        tracking=frozenset(str(n) for n in data.get("tracking", ())),
-    )
-
-
 class State:
     """`<data_dir>/cluster.json`: the highest epoch adopted and the cluster this store is in."""
 

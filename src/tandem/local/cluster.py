@@ -1,0 +1,273 @@
+"""`tandem cluster up`: N brokers on this machine behind one front port, kept by the HA loop.
+
+Layout of the data dir D:
+
+    D/cluster.key        the shared cluster key (created on first start, mode 0600)
+    D/election.json      the election record (compare-and-set under D/election.lock)
+    D/cluster.json       the front and admin ports, for `tandem cluster status`
+    D/tandem-N/          each member's data dir, config (member.yaml) and log (broker.log)
+
+The controller is `tandem.ha.loop` with the ports of `tandem.local.members`; the front port
+follows the member that the record names and that serves as primary in the record's epoch.
+The admin port answers `GET /cluster` and `POST /cluster/switchover`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tandem.broker.store.lock import DataDirLock
+from tandem.ha import loop as ha_loop
+from tandem.ha.model import ElectionRecord, Member, Settings
+from tandem.local.election import FileElectionStore
+from tandem.local.front import Front
+from tandem.local.members import (
+    HttpActuator,
+    HttpObserver,
+    Proc,
+    Supervisor,
+    WakeableClock,
+)
+
+log = logging.getLogger(__name__)
+
+# Settings the cluster gives each member itself; a --config file's values for them are ignored.
+MEMBER_SETTINGS = frozenset(
+    {
+        "node_id",
+        "data_dir",
+        "amqp_port",
+        "admin_port",
+        "replication_port",
+        "cluster_key_file",
+        "front_socket",
+        "isr_min",
+    }
+)
+
+
+def cluster_key(data_dir: Path) -> Path:
+    path = data_dir / "cluster.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return path
+
+
+class FollowingObserver:
+    """The HTTP observer, pointing the front port at the serving primary after each look."""
+
+    def __init__(self, inner: HttpObserver, front: Front, procs: dict[str, Proc]) -> None:
+        self.inner, self.front, self.procs = inner, front, procs
+        self.record: ElectionRecord | None = None
+
+    async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
+        members = await self.inner.observe(record)
+        self.record = record
+        holder = self.procs.get(record.holder or "")
+        serving = (
+            holder is not None
+            and holder.alive
+            and holder.status.get("role") == "primary"
+            and holder.status.get("epoch") == record.epoch
+        )
+        self.front.point(holder.front_socket if serving and holder is not None else None)
+        return members
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        data_dir: Path,
+        replicas: int,
+        *,
+        host: str = "127.0.0.1",
+        amqp_port: int = 5672,
+        admin_port: int = 15672,
+        isr_min: int | None = None,
+        failover_delay: float = 1.0,
+        base_config: dict[str, Any] | None = None,
+    ) -> None:
+        self.data_dir = data_dir
+        self.nodes = [f"tandem-{i}" for i in range(1, replicas + 1)]
+        self.procs = {n: Proc(n, data_dir / n) for n in self.nodes}
+        self.isr_min = isr_min if isr_min is not None else min(2, replicas)
+        self.settings = Settings(failover_delay=failover_delay, isr_min=self.isr_min)
+        self.front = Front(host, amqp_port)
+        self.admin_host, self.admin_port = host, admin_port
+        self.base_config = {**(base_config or {}), "isr_min": self.isr_min}
+        self.store = FileElectionStore(data_dir, self.nodes)
+        self.clock = WakeableClock()
+        self.controller: ha_loop.Controller | None = None
+        self.observer: FollowingObserver | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        lock = DataDirLock(self.data_dir)
+        lock.acquire("cluster")  # a second `cluster up` on this data dir is refused
+        try:
+            await self._run(stop)
+        finally:
+            lock.release()
+
+    async def _run(self, stop: asyncio.Event) -> None:
+        key_file = cluster_key(self.data_dir)
+        key = key_file.read_text().strip()
+        self.front.bind()
+        supervisor = Supervisor(self.procs, key_file, self.base_config, self._exited)
+        async with aiohttp.ClientSession() as session:
+            observer = FollowingObserver(
+                HttpObserver(self.procs, session, key), self.front, self.procs
+            )
+            self.observer = observer
+            self.controller = ha_loop.Controller(
+                "local",
+                self.store,
+                observer,
+                HttpActuator(self.procs, session, key),
+                self.clock,
+                self.settings,
+            )
+            try:
+                await asyncio.gather(*(supervisor.start(p) for p in self.procs.values()))
+                runner = web.AppRunner(self._app(), access_log=None)
+                await runner.setup()
+                site = web.TCPSite(runner, self.admin_host, self.admin_port)
+                await site.start()
+                self.admin_port = _bound_port(site, self.admin_port)
+                self._announce()
+                async with asyncio.TaskGroup() as tg:
+                    for p in self.procs.values():
+                        tg.create_task(supervisor.keep(p))
+                    tg.create_task(self.front.run(stop))
+                    tg.create_task(self.controller.run(stop))
+                    await stop.wait()
+                    self.clock.wake.set()
+                    await supervisor.stop()
+                await runner.cleanup()
+            finally:
+                await supervisor.stop()
+
+    def _exited(self, proc: Proc) -> None:
+        """A member's process ended: the controller looks again at once."""
+        if self.front.target == proc.front_socket:
+            self.front.point(None)  # hold new connections until a primary is promoted
+        self.clock.wake.set()
+
+    def _announce(self) -> None:
+        info = {
+            "amqp": self.front.port,
+            "admin": self.admin_port,
+            "pid": os.getpid(),
+            "members": {n: self._member(p) for n, p in self.procs.items()},
+        }
+        (self.data_dir / "cluster.json").write_text(json.dumps(info))
+        print(
+            f"tandem cluster of {len(self.nodes)} ready: amqp://guest:guest@{self.front.host}:"
+            f"{self.front.port}/ (front port), admin http://{self.admin_host}:{self.admin_port}"
+            "/cluster",
+            flush=True,
+        )
+
+    def _member(self, p: Proc) -> dict[str, Any]:
+        s = p.status
+        return {
+            "node": p.node,
+            "pid": p.process.pid if p.alive and p.process is not None else None,
+            "amqp_port": p.amqp_port,
+            "admin_port": p.admin_port,
+            "replication_port": p.replication_port,
+            "role": s.get("role", "down") if p.alive else "down",
+            "epoch": s.get("epoch"),
+            "position": s.get("position"),
+            "whole": s.get("whole"),
+            "following": s.get("following"),
+            "restarts": p.restarts,
+        }
+
+    def describe(self) -> dict[str, Any]:
+        record = self.observer.record if self.observer is not None else None
+        primary_status: dict[str, Any] = {}
+        if record is not None and record.holder in self.procs:
+            primary_status = self.procs[record.holder].status
+        lags = primary_status.get("members") or {}
+        members = []
+        for n, p in self.procs.items():
+            m = self._member(p)
+            lag = lags.get(n, {})
+            m["lag_records"] = lag.get("lag_records", 0)
+            m["lag_seconds"] = lag.get("lag_seconds", 0.0)
+            m["in_isr"] = record is not None and n in record.isr
+            members.append(m)
+        return {
+            "epoch": record.epoch if record is not None else 0,
+            "primary": record.holder if record is not None else None,
+            "isr": sorted(record.isr) if record is not None else [],
+            "serving": self.front.target is not None,
+            "front": {"host": self.front.host, "port": self.front.port},
+            "held_connections": len(self.front.held),
+            "last_decision": (
+                self.controller.last.reason
+                if self.controller is not None and self.controller.last
+                else None
+            ),
+            "members": members,
+        }
+
+    def _app(self) -> web.Application:
+        async def cluster(request: web.Request) -> web.Response:
+            return web.json_response(self.describe())
+
+        async def switchover(request: web.Request) -> web.Response:
+            body: dict[str, Any] = {}
+            if await request.read():
+                try:
+                    body = await request.json()
+                except ValueError:
+                    return web.json_response({"error": "the body must be JSON"}, status=400)
+            record = await self.store.read()
+            target = body.get("to") if isinstance(body, dict) else None
+            if target is None:
+                others = sorted(record.isr - {record.holder})
+                if not others:
+                    return web.json_response(
+                        {"error": "no other in-sync member to switch over to"}, status=409
+                    )
+                target = others[0]
+            if target not in self.procs:
+                return web.json_response({"error": f"no member '{target}'"}, status=404)
+            assert self.controller is not None
+            self.controller.switchover_to = str(target)
+            self.clock.wake.set()
+            return web.json_response({"switchover_to": target})
+
+        app = web.Application()
+        app.add_routes([web.get("/cluster", cluster), web.post("/cluster/switchover", switchover)])
+        return app
+
+
+def _bound_port(site: web.TCPSite, default: int) -> int:
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    return int(sockets[0].getsockname()[1]) if sockets else default
+
+
+async def up(cluster: LocalCluster) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await cluster.run(stop)

@@ -1,0 +1,116 @@
+"""The local cluster's stable address: one port whose connections go to the primary.
+
+The front accepts each client connection and passes the socket itself to the primary over
+a Unix socket (SCM_RIGHTS), so client bytes never go through this process: no proxy hop on
+the data path. While there is no primary (a failover in progress) it holds new connections
+and hands them over once one is promoted, instead of refusing them; a connection held longer
+than `HOLD_SECONDS` is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import socket
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+HOLD_SECONDS = 30.0
+
+
+class Front:
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.listener: socket.socket | None = None
+        self.target: Path | None = None  # the primary's front socket
+        self.link: socket.socket | None = None
+        self.held: collections.deque[tuple[socket.socket, float]] = collections.deque()
+        self.changed = asyncio.Event()
+        self.handed = 0
+
+    def bind(self) -> int:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self.host, self.port))
+        s.listen(1024)
+        s.setblocking(False)
+        self.listener = s
+        self.port = s.getsockname()[1]
+        return self.port
+
+    def point(self, target: Path | None) -> None:
+        """Hand new connections to the primary listening on `target` (None: hold them)."""
+        if target == self.target:
+            return
+        self.target = target
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        self.changed.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        assert self.listener is not None
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._release_held(stop))
+            accept = tg.create_task(self._accept(stop))
+            await stop.wait()
+            accept.cancel()
+            self.changed.set()
+        for sock, _t in self.held:
+            sock.close()
+        if self.link is not None:
+            self.link.close()
+        self.listener.close()
+
+    async def _accept(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        assert self.listener is not None
+        while not stop.is_set():
+            try:
+                client, _addr = await loop.sock_accept(self.listener)
+            except OSError as exc:
+                log.warning("front port: accept failed: %s", exc)
+                continue
+            if self.held or not await self._hand(client):
+                self.held.append((client, time.monotonic()))
+
+    async def _release_held(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), 1.0)
+            self.changed.clear()
+            now = time.monotonic()
+            while self.held:
+                client, since = self.held[0]
+                if now - since > HOLD_SECONDS:
+                    self.held.popleft()
+                    client.close()
+                    continue
+                if not await self._hand(client):
+                    break
+                self.held.popleft()
+
+    async def _hand(self, client: socket.socket) -> bool:
+        """Pass `client` to the primary; False when there is none to take it now."""
+        if self.target is None:
+            return False
+        try:
+            if self.link is None:
+                link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                link.settimeout(1.0)
+                link.connect(str(self.target))
+                self.link = link
+            socket.send_fds(self.link, [b"c"], [client.fileno()])
+        except OSError as exc:
+            log.info("front port: cannot reach the primary at %s: %s", self.target, exc)
+            if self.link is not None:
+                self.link.close()
+                self.link = None
+            return False
+        client.close()  # the primary holds it now
+        self.handed += 1
+        return True
