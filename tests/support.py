@@ -272,3 +272,92 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class LocalCluster:
+    """`tandem cluster up` as a subprocess on free ports."""
+
+    def __init__(self, data_dir: Path, replicas: int = 3, *args: str) -> None:
+        self.data_dir = data_dir
+        self.replicas = replicas
+        self.args = args
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self.amqp_port = 0
+        self.admin_port = 0
+
+    def start(self) -> LocalCluster:
+        info_path = self.data_dir / "cluster.json"
+        if info_path.exists():
+            info_path.unlink()
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "cluster",
+            "up",
+            "--replicas",
+            str(self.replicas),
+            "--amqp-port",
+            "0",
+            "--admin-port",
+            "0",
+            "--data-dir",
+            str(self.data_dir),
+            *self.args,
+        ]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not info_path.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cluster exited: {self.log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(self.log())
+            time.sleep(0.05)  # polling interval while the processes boot
+        info = json.loads(info_path.read_text())
+        self.amqp_port, self.admin_port = info["amqp"], info["admin"]
+        self.wait_for(lambda c: c["serving"] and len(c["isr"]) == self.replicas, "a full ISR")
+        return self
+
+    def stop(self) -> int:
+        if self.proc is None:
+            return 0
+        self.proc.send_signal(signal.SIGINT)
+        code = self.proc.wait(60)
+        self.proc = None
+        return code
+
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.amqp_port}/%2F"
+
+    def cluster(self) -> dict[str, Any]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/cluster", timeout=10) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+
+    def member(self, node: str) -> dict[str, Any]:
+        return next(m for m in self.cluster()["members"] if m["node"] == node)
+
+    def primary(self) -> dict[str, Any]:
+        c = self.cluster()
+        return next(m for m in c["members"] if m["node"] == c["primary"])
+
+    def wait_for(self, ok: Any, what: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Poll GET /cluster until `ok(answer)`: waiting on observed state, with a deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            c = self.cluster()
+            if ok(c):
+                return c
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} after {timeout}s: {c}")
+            time.sleep(0.05)
+
+    def logs(self) -> str:
+        parts = [self.log()]
+        for p in sorted(self.data_dir.glob("*/broker.log")):
+            parts.append(p.read_text(errors="replace"))
+        return "\n".join(parts)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

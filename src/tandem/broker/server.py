@@ -217,33 +217,32 @@ async def receive_sockets(
     os.chmod(path, 0o600)
     listener.listen(8)
     listener.setblocking(False)
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def accept() -> None:
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            tasks.add(tg.create_task(_handoffs(conn, adopt_one)))
+
     try:
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(_close_on(stop, listener))
-            while not stop.is_set():
-                try:
-                    conn, _ = await loop.sock_accept(listener)
-                except OSError:
-                    break
-                tg.create_task(_handoffs(conn, adopt_one, stop))
+            tasks.add(tg.create_task(accept()))
+            await stop.wait()
+            for task in tasks:
+                task.cancel()
     finally:
         listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
 
-async def _close_on(stop: asyncio.Event, sock: socket.socket) -> None:
-    await stop.wait()
-    sock.close()
-
-
 async def _handoffs(
-    conn: socket.socket, adopt_one: Callable[[socket.socket], Awaitable[None]], stop: asyncio.Event
+    conn: socket.socket, adopt_one: Callable[[socket.socket], Awaitable[None]]
 ) -> None:
     loop = asyncio.get_running_loop()
     conn.setblocking(False)
     try:
-        while not stop.is_set():
+        while True:
             try:
                 msg, fds, _flags, _addr = socket.recv_fds(conn, 64, 64)
             except BlockingIOError:

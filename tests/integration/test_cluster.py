@@ -1,0 +1,204 @@
+"""The local cluster from outside: `tandem cluster up`, clients through its front port,
+failures of real member processes. DESIGN rules named per test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pika
+import pytest
+
+from tests.support import BUG_PHRASE, LocalCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    c = LocalCluster(tmp_path / "cluster", 3).start()
+    yield c
+    c.stop()
+    assert BUG_PHRASE not in c.logs(), c.logs()
+
+
+def connect(c: LocalCluster) -> pika.BlockingConnection:
+    """Through the front port, retrying while a failover holds or drops the connection."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return pika.BlockingConnection(pika.URLParameters(c.url()))
+        except pika.exceptions.AMQPConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)  # the client's reconnect delay
+
+
+def publish(c: LocalCluster, queue: str, ids: range) -> None:
+    conn = connect(c)
+    ch = conn.channel()
+    ch.queue_declare(queue, durable=True)
+    ch.confirm_delivery()
+    for i in ids:
+        mode = 2 if i % 2 else 1  # persistent and reliable transient alike
+        ch.basic_publish("", queue, str(i).encode(), pika.BasicProperties(delivery_mode=mode))
+    conn.close()
+
+
+def drain(c: LocalCluster, queue: str) -> list[int]:
+    conn = connect(c)
+    ch = conn.channel()
+    got = []
+    while True:
+        method, _p, body = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            break
+        got.append(int(body.split()[-1]))
+    conn.close()
+    return got
+
+
+def test_the_cluster_serves_through_its_front_port(cluster: LocalCluster) -> None:
+    c = cluster.cluster()
+    assert c["epoch"] >= 1 and c["primary"] in {m["node"] for m in c["members"]}
+    assert sorted(c["isr"]) == ["tandem-1", "tandem-2", "tandem-3"]
+    publish(cluster, "q", range(100))
+    # Confirmed means every ISR member holds it (rule 3): asked now, each holds it all.
+    members = cluster.cluster()["members"]
+    assert sorted(m["role"] for m in members) == ["backup", "backup", "primary"]
+    for m in members:
+        with urllib.request.urlopen(f"http://127.0.0.1:{m['admin_port']}/status") as r:
+            status = json.loads(r.read())
+        depth = next(q["depth"] for q in status["queues"] if q["name"] == "q")
+        assert depth == 100, (m["node"], status)
+    assert sorted(drain(cluster, "q")) == list(range(100))
+
+
+def test_kill_9_of_the_primary_loses_no_confirmed_message(cluster: LocalCluster) -> None:
+    """Rules 3 and 5: the example publisher keeps publishing through the front port while
+    the primary is killed; every message it saw confirmed is there afterwards, and the
+    killed member comes back as a backup and into the ISR."""
+    env = {**os.environ, "AMQP_URL": cluster.url()}
+    publisher = subprocess.Popen(
+        [sys.executable, "examples/reliable_publisher.py", "--queue", "kq", "--count", "3000"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    first = cluster.primary()
+    cluster.wait_for(lambda c: (c["members"][0]["position"] or 0) > 500, "publishing under way")
+    os.kill(first["pid"], signal.SIGKILL)
+    out, _ = publisher.communicate(timeout=120)
+    assert publisher.returncode == 0, out.decode()
+    after = cluster.cluster()
+    assert after["primary"] != first["node"] and after["epoch"] > 1
+    got = drain(cluster, "kq")
+    assert set(got) >= set(range(3000)), sorted(set(range(3000)) - set(got))[:10]
+    back = cluster.wait_for(lambda c: first["node"] in c["isr"], "the killed member back in sync")
+    assert next(m for m in back["members"] if m["node"] == first["node"])["role"] == "backup"
+
+
+def test_a_paused_primary_is_replaced_and_steps_down(cluster: LocalCluster) -> None:
+    """Liveness by the controller's own clock: a SIGSTOPped primary is replaced after the
+    failover delay; resumed, it learns the higher epoch and serves as a backup."""
+    publish(cluster, "sq", range(50))
+    first = cluster.primary()
+    os.kill(first["pid"], signal.SIGSTOP)
+    try:
+        cluster.wait_for(lambda c: c["primary"] != first["node"], "a new primary")
+        publish(cluster, "sq", range(50, 60))
+    finally:
+        os.kill(first["pid"], signal.SIGCONT)
+    cluster.wait_for(
+        lambda c: any(
+            m["node"] == first["node"] and m["role"] == "backup" and m["node"] in c["isr"]
+            for m in c["members"]
+        ),
+        "the old primary back as an in-sync backup",
+    )
+    assert sorted(drain(cluster, "sq")) == list(range(60))
+
+
+def test_switchover_hands_the_primary_role_over(cluster: LocalCluster) -> None:
+    publish(cluster, "wq", range(20))
+    before = cluster.cluster()
+    target = sorted(set(before["isr"]) - {before["primary"]})[0]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "cluster",
+            "switchover",
+            "--to",
+            target,
+            "--url",
+            f"http://127.0.0.1:{cluster.admin_port}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert f"switching over to {target}" in out.stdout
+    cluster.wait_for(lambda c: c["primary"] == target and c["serving"], "the switchover")
+    assert sorted(drain(cluster, "wq")) == list(range(20))
+
+
+def test_cluster_status_prints_the_members(cluster: LocalCluster) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "cluster",
+            "status",
+            "--url",
+            f"http://127.0.0.1:{cluster.admin_port}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith(f"primary: {cluster.cluster()['primary']}")
+    assert lines[1].split("\t") == [
+        "node",
+        "role",
+        "epoch",
+        "position",
+        "lag_records",
+        "in_isr",
+        "pid",
+    ]
+    assert sorted(line.split("\t")[0] for line in lines[2:]) == ["tandem-1", "tandem-2", "tandem-3"]
+
+
+def test_a_second_cluster_on_the_same_data_dir_is_refused(cluster: LocalCluster) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "cluster",
+            "up",
+            "--amqp-port",
+            "0",
+            "--admin-port",
+            "0",
+            "--data-dir",
+            str(cluster.data_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert f"data dir {cluster.data_dir} is in use by pid {cluster.proc.pid}" in out.stderr  # type: ignore[union-attr]
