@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,10 @@ class LocalCluster:
         isr_min: int | None = None,
         failover_delay: float = 1.0,
         base_config: dict[str, Any] | None = None,
+        link_address: Callable[[Proc], str] | None = None,
     ) -> None:
         self.data_dir = data_dir
+        self.link_address = link_address
         self.nodes = [f"tandem-{i}" for i in range(1, replicas + 1)]
         self.procs = {n: Proc(n, data_dir / n) for n in self.nodes}
         self.isr_min = isr_min if isr_min is not None else min(2, replicas)
@@ -136,7 +139,7 @@ class LocalCluster:
                 "local",
                 self.store,
                 observer,
-                HttpActuator(self.procs, session, key),
+                HttpActuator(self.procs, session, key, self.link_address),
                 self.clock,
                 self.settings,
             )

@@ -229,9 +229,17 @@ class HttpObserver:
 class HttpActuator:
     """Implements ha.ports.Actuator over each member's /ha/* commands."""
 
-    def __init__(self, procs: dict[str, Proc], session: aiohttp.ClientSession, key: str) -> None:
+    def __init__(
+        self,
+        procs: dict[str, Proc],
+        session: aiohttp.ClientSession,
+        key: str,
+        link_address: Callable[[Proc], str] | None = None,
+    ) -> None:
         self.procs = procs
         self.session = session
+        # Where the others reach a member's replication listener (a proxy may stand there).
+        self.link_address = link_address or (lambda p: f"127.0.0.1:{p.replication_port}")
         self.headers = {"Authorization": f"Bearer {key}"}
         self.renewed: tuple[int, float] = (-1, 0.0)
 
@@ -267,7 +275,7 @@ class HttpActuator:
         body = {
             "primary": primary,
             "epoch": epoch,
-            "address": f"127.0.0.1:{p.replication_port}",
+            "address": self.link_address(p),
             "amqp": f"127.0.0.1:{p.amqp_port}",
         }
         await self._post(node, "follow", body)

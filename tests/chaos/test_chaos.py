@@ -1,0 +1,279 @@
+"""Chaos: the real local cluster under kill -9, SIGSTOP/SIGCONT and cut or delayed member
+links, at seeded random times under full load, with a checker of every confirmed message id.
+
+The cluster is `tandem.local.cluster.LocalCluster` (what `tandem cluster up` runs) with its
+members as real `tandem broker` processes; it runs in a thread here so that each member's
+replication listener can be reached through a TCP proxy this test controls. A pika publisher
+with confirms goes through the front port and republishes what was not confirmed when its
+connection drops (at-least-once). At the end every confirmed id must be consumed; duplicates
+are counted; outside the failover windows the confirm rate stays within 50% of the rate
+measured before the faults; no log has the bug phrase.
+
+    CHAOS_SEED=7 CHAOS_FAULTS=12 python3 -m pytest tests/chaos -s
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+
+from tandem.local.cluster import LocalCluster
+from tandem.local.members import Proc
+from tests.support import BUG_PHRASE
+
+SEED = int(os.environ.get("CHAOS_SEED", "1"))
+FAULTS = int(os.environ.get("CHAOS_FAULTS", "8"))
+BASELINE_SECONDS = 4.0
+
+
+class Proxy:
+    """A TCP proxy on the cluster's loop that can cut its connections or delay them."""
+
+    def __init__(self) -> None:
+        self.target = 0
+        self.cut_until = 0.0
+        self.delay = 0.0
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        async with server:
+            await stop.wait()
+        for w in list(self.writers):
+            w.close()
+
+    def cut(self, seconds: float) -> None:
+        self.cut_until = time.monotonic() + seconds
+        for w in list(self.writers):
+            w.transport.abort()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if time.monotonic() < self.cut_until or not self.target:
+            writer.transport.abort()
+            return
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self.writers |= {writer, up_w}
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._pipe(reader, up_w))
+                tg.create_task(self._pipe(up_r, writer))
+        except* (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.writers -= {writer, up_w}
+            writer.transport.abort()
+            up_w.transport.abort()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            if self.delay:
+                await asyncio.sleep(self.delay)  # the injected latency itself
+            if time.monotonic() < self.cut_until:
+                writer.transport.abort()
+                return
+            writer.write(data)
+            await writer.drain()
+        writer.transport.abort()
+
+
+class Harness:
+    def __init__(self, data_dir: Path) -> None:
+        self.proxies = {f"tandem-{i}": Proxy() for i in (1, 2, 3)}
+        self.cluster = LocalCluster(data_dir, 3, amqp_port=0, admin_port=0, link_address=self._link)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stop: asyncio.Event | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.ready = threading.Event()
+
+    def _link(self, proc: Proc) -> str:
+        proxy = self.proxies[proc.node]
+        proxy.target = proc.replication_port
+        return f"127.0.0.1:{proxy.port}"
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            self.stop = asyncio.Event()
+            async with asyncio.TaskGroup() as tg:
+                for p in self.proxies.values():
+                    tg.create_task(p.serve(self.stop))
+                tg.create_task(self.cluster.run(self.stop))
+                self.ready.set()
+
+        asyncio.run(main())
+
+    def start(self) -> None:
+        self.thread.start()
+        self.ready.wait(30)
+        self.wait_for(lambda c: c["serving"] and len(c["isr"]) == 3, "a full ISR", 60)
+
+    def shutdown(self) -> None:
+        assert self.loop is not None and self.stop is not None
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(60)
+
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.cluster.front.port}/%2F"
+
+    def state(self) -> dict[str, Any]:
+        url = f"http://127.0.0.1:{self.cluster.admin_port}/cluster"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+
+    def wait_for(self, ok: Any, what: str, timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError):
+                c = self.state()
+                if ok(c):
+                    return c
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} after {timeout}s")
+            time.sleep(0.1)
+
+    def on_loop(self, fn: Any) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(fn)
+
+    def logs(self) -> str:
+        return "\n".join(
+            p.read_text(errors="replace") for p in self.cluster.data_dir.glob("*/*.log")
+        )
+
+
+class Publisher(threading.Thread):
+    """Publishes ids 0, 1, 2, ... with confirms; records when each was confirmed."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.confirmed: dict[int, float] = {}
+        self.sent = 0
+        self.reconnects = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        pending: collections.deque[int] = collections.deque()
+        nxt = 0
+        while not self.halt.is_set():
+            try:
+                conn = pika.BlockingConnection(pika.URLParameters(self.url))
+                ch = conn.channel()
+                ch.queue_declare("chaos", durable=True)
+                ch.confirm_delivery()
+                while not self.halt.is_set():
+                    if not pending:
+                        pending.append(nxt)
+                        nxt += 1
+                    i = pending[0]
+                    mode = 2 if i % 2 else 1  # persistent and reliable transient
+                    ch.basic_publish(
+                        "", "chaos", str(i).encode(), pika.BasicProperties(delivery_mode=mode)
+                    )
+                    pending.popleft()
+                    self.confirmed[i] = time.monotonic()
+                    self.sent += 1
+                conn.close()
+            except (pika.exceptions.AMQPError, OSError):
+                self.reconnects += 1
+                time.sleep(0.1)  # the client's retry delay
+
+
+def drain(url: str) -> list[int]:
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    got = []
+    while True:
+        method, _p, body = ch.basic_get("chaos", auto_ack=True)
+        if method is None:
+            break
+        got.append(int(body))
+    conn.close()
+    return got
+
+
+def test_chaos(tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    h = Harness(tmp_path / "cluster")
+    h.start()
+    pub = Publisher(h.url())
+    pub.start()
+    try:
+        t0 = time.monotonic()
+        time.sleep(BASELINE_SECONDS)  # measuring the no-fault rate over this span
+        baseline = sum(1 for t in pub.confirmed.values() if t >= t0) / BASELINE_SECONDS
+        assert baseline > 50, f"publisher too slow to judge: {baseline:.0f}/s"
+        windows: list[tuple[float, float, str]] = []
+        for _ in range(FAULTS):
+            c = h.wait_for(lambda c: c["serving"] and len(c["isr"]) >= 2, "a serving primary")
+            primary = next(m for m in c["members"] if m["node"] == c["primary"])
+            backups = [m for m in c["members"] if m["role"] == "backup" and m["pid"]]
+            kind = rng.choice(["kill", "stop", "kill_backup", "cut", "delay"])
+            start = time.monotonic()
+            if kind == "kill":
+                os.kill(primary["pid"], signal.SIGKILL)
+            elif kind == "stop":
+                os.kill(primary["pid"], signal.SIGSTOP)
+                time.sleep(rng.uniform(1.5, 3.0))  # the length of the pause is the fault
+                os.kill(primary["pid"], signal.SIGCONT)
+            elif kind == "kill_backup" and backups:
+                os.kill(rng.choice(backups)["pid"], signal.SIGKILL)
+            elif kind == "cut":
+                proxy = h.proxies[primary["node"]]
+                h.on_loop(lambda p=proxy: p.cut(2.0))
+                time.sleep(2.0)
+            elif kind == "delay":
+                proxy = h.proxies[primary["node"]]
+                proxy.delay = 0.05
+                time.sleep(2.0)
+                proxy.delay = 0.0
+            h.wait_for(lambda c: c["serving"] and len(c["isr"]) == 3, "the cluster healed", 60)
+            windows.append((start, time.monotonic(), kind))
+            time.sleep(rng.uniform(1.0, 2.0))  # steady load between faults
+        end = time.monotonic()
+    finally:
+        pub.halt.set()
+        pub.join(60)
+    confirmed = dict(pub.confirmed)
+    got = drain(h.url())
+    h.shutdown()
+    missing = sorted(set(confirmed) - set(got))
+    duplicates = len(got) - len(set(got))
+    # Outside the fault windows (and the second after each), the rate stays near baseline.
+    slow = []
+    second = t0 + BASELINE_SECONDS
+    while second + 1 <= end:
+        inside = any(s - 0.5 <= second + 1 and second <= e + 1.0 for s, e, _k in windows)
+        if not inside:
+            n = sum(1 for t in confirmed.values() if second <= t < second + 1)
+            if n < 0.5 * baseline:
+                slow.append((round(second - t0, 1), n))
+        second += 1
+    report = (
+        f"seed {SEED}: {len(confirmed)} confirmed, {len(got)} consumed, {duplicates} "
+        f"duplicates, {pub.reconnects} reconnects, baseline {baseline:.0f}/s, faults "
+        f"{[k for _s, _e, k in windows]}, slow seconds {slow}"
+    )
+    print(report)
+    assert not missing, f"{len(missing)} confirmed messages lost, first {missing[:10]}; {report}"
+    assert not slow, report
+    assert BUG_PHRASE not in h.logs()
