@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,3 +203,34 @@ def test_a_second_cluster_on_the_same_data_dir_is_refused(cluster: LocalCluster)
     )
     assert out.returncode == 1
     assert f"data dir {cluster.data_dir} is in use by pid {cluster.proc.pid}" in out.stderr  # type: ignore[union-attr]
+
+
+def test_users_made_through_the_cluster_address_survive_a_failover(cluster: LocalCluster) -> None:
+    """`tandem ctl` against the cluster's admin address reaches the primary, and users,
+    vhosts and permissions replicate: after the primary dies, carol still logs in."""
+    url = f"http://127.0.0.1:{cluster.admin_port}"
+    for line in (
+        ["add_vhost", "staging"],
+        ["add_user", "carol", "s3cret"],
+        ["set_permissions", "-p", "staging", "carol", ".*", ".*", ".*"],
+    ):
+        subprocess.run(
+            [sys.executable, "-m", "tandem.cli", "ctl", "--url", url, *line],
+            check=True,
+            capture_output=True,
+        )
+    # A backup refuses changes of its own, naming the primary.
+    backup = next(m for m in cluster.cluster()["members"] if m["role"] == "backup")
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{backup['admin_port']}/api/vhosts/other", method="PUT"
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 503 and "the primary is" in err.value.read().decode()
+    first = cluster.primary()
+    os.kill(first["pid"], signal.SIGKILL)
+    cluster.wait_for(lambda c: c["primary"] != first["node"] and c["serving"], "a new primary")
+    params = pika.URLParameters(f"amqp://carol:s3cret@127.0.0.1:{cluster.amqp_port}/staging")
+    conn = pika.BlockingConnection(params)
+    conn.channel().queue_declare("carols")
+    conn.close()

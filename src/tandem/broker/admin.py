@@ -126,6 +126,16 @@ def make_app(node: Node) -> web.Application:
                     401, "the HA commands need 'Authorization: Bearer <cluster key>'"
                 )
             return await handler(request)
+        if (
+            node.role == "backup"
+            and request.path.startswith("/api/")
+            and request.method not in ("GET", "HEAD")
+        ):
+            return _json_error(
+                503,
+                f"{node.refusal}; make changes on the primary (the cluster's admin address "
+                "forwards them there)",
+            )
         if token and request.path not in ("/health", "/metrics"):
             if (
                 request.path == "/status"

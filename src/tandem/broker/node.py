@@ -113,6 +113,7 @@ class Node:
         self.sequencer = Sequencer(self.store)
         self.broker = Broker(self.sequencer)
         self.broker.default_replicate = cfg.default_replicate
+        self.broker.guest_remote = cfg.guest_remote
         # A cluster member (replication_port set) serves clients only once the controller
         # makes it primary; until then it refuses them, naming the primary when it knows it.
         self.member: member_mod.Member | None = None
@@ -186,18 +187,18 @@ class Node:
 
     def _load_auth(self, data: dict[str, Any]) -> None:
         """Runtime-managed users, vhosts and permissions replace the configured ones."""
-        self.broker.users.users.clear()
-        self.broker.users.permissions.clear()
-        definitions.apply_auth(self.broker, data, self.cfg.guest_remote)
+        definitions.replace_auth(self.broker, data, self.cfg.guest_remote)
 
     def save_auth(self) -> None:
         """Persist users, vhosts and permissions changed at runtime, in RabbitMQ's
-        definitions format (password hashes only)."""
+        definitions format (password hashes only). A primary also replicates them: its
+        backups take them as one record and save them too."""
+        auth = definitions.export_auth(self.broker)
+        if self.role == "primary":
+            self.sequencer.define("", "auth", auth, False)
         if self._auth_file is None:
             return
-        _write_atomically(
-            self._auth_file, json.dumps(definitions.export_auth(self.broker), indent=1)
-        )
+        _write_atomically(self._auth_file, json.dumps(auth, indent=1))
 
     def delete_vhost(self, name: str) -> bool:
         for proto in list(self.connections):
@@ -376,6 +377,7 @@ class Node:
                 server_ssl=self._tls_context() if cfg.replication_tls else None,
                 client_ssl=self._client_tls() if cfg.replication_tls else None,
             )
+            self.member.log.on_auth = self.save_auth
             await _listen(
                 "replication",
                 "--replication-port (or replication_port)",

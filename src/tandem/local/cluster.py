@@ -115,6 +115,7 @@ class LocalCluster:
         self.clock = WakeableClock()
         self.controller: ha_loop.Controller | None = None
         self.observer: FollowingObserver | None = None
+        self.session: aiohttp.ClientSession | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -131,6 +132,7 @@ class LocalCluster:
         self.front.bind()
         supervisor = Supervisor(self.procs, key_file, self.base_config, self._exited)
         async with aiohttp.ClientSession() as session:
+            self.session = session
             observer = FollowingObserver(
                 HttpObserver(self.procs, session, key), self.front, self.procs
             )
@@ -256,8 +258,46 @@ class LocalCluster:
             self.clock.wake.set()
             return web.json_response({"switchover_to": target})
 
+        async def forward(request: web.Request) -> web.StreamResponse:
+            """Everything else goes to the primary's admin API (/status, /metrics, /api/*),
+            so `tandem ctl` and curl work against the cluster's one address."""
+            record = self.observer.record if self.observer is not None else None
+            primary = self.procs.get(record.holder or "") if record is not None else None
+            if primary is None or not primary.alive or self.front.target is None:
+                return web.json_response(
+                    {"error": "no primary serves right now (a failover is in progress)"},
+                    status=503,
+                )
+            url = f"http://127.0.0.1:{primary.admin_port}{request.rel_url}"
+            passed = ("Authorization", "Content-Type", "If-Match", "If-None-Match")
+            headers = {k: v for k, v in request.headers.items() if k in passed}
+            assert self.session is not None
+            try:
+                async with self.session.request(
+                    request.method,
+                    url,
+                    data=await request.read(),
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=30),
+                ) as resp:
+                    body = await resp.read()
+                    ctype = resp.headers.get("Content-Type", "application/json")
+                    return web.Response(
+                        status=resp.status, body=body, headers={"Content-Type": ctype}
+                    )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                return web.json_response(
+                    {"error": f"the primary {primary.node} did not answer: {exc!r}"}, status=503
+                )
+
         app = web.Application()
-        app.add_routes([web.get("/cluster", cluster), web.post("/cluster/switchover", switchover)])
+        app.add_routes(
+            [
+                web.get("/cluster", cluster),
+                web.post("/cluster/switchover", switchover),
+                web.route("*", "/{tail:.*}", forward),
+            ]
+        )
         return app
 
 

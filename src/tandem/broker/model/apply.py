@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tandem.broker.model import definitions, records
 from tandem.broker.model import message as message_mod
-from tandem.broker.model import records
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import Queue
@@ -52,7 +52,10 @@ def _apply(broker: Broker, rtype: int, payload: bytes) -> None:
             q.mark(mid)
     elif rtype == records.DEFINE:
         rec = records.json_payload(payload)
-        define(broker.add_vhost(rec["vhost"]), rec["op"], rec["body"])
+        if rec["op"] == "auth":  # users, vhosts and permissions, all at once
+            definitions.replace_auth(broker, rec["body"], broker.guest_remote)
+        else:
+            define(broker.add_vhost(rec["vhost"]), rec["op"], rec["body"])
     elif rtype == records.SNAPSHOT:
         snapshot(broker, records.json_payload(payload))
     elif rtype in (records.CHECKPOINT, records.NOOP):

@@ -16,6 +16,7 @@ class Broker:
         self.vhosts: dict[str, VirtualHost] = {}
         self.users = Users()
         self.default_replicate = "all"
+        self.guest_remote = False  # guest may log in from other hosts (RabbitMQ's loopback_users)
 
     def add_vhost(self, name: str) -> VirtualHost:
         vh = self.vhosts.get(name)

@@ -65,6 +65,13 @@ def apply_auth(broker: Broker, data: dict[str, Any], guest_remote: bool = False)
         broker.set_permission(spec.RabbitPermission.model_validate(raw))
 
 
+def replace_auth(broker: Broker, data: dict[str, Any], guest_remote: bool = False) -> None:
+    """Users and permissions become those of `data` (runtime changes, or the primary's)."""
+    broker.users.users.clear()
+    broker.users.permissions.clear()
+    apply_auth(broker, data, guest_remote)
+
+
 def apply_entities(broker: Broker, data: dict[str, Any], source: str) -> None:
     """Exchanges, queues and bindings that do not exist yet (an existing one is kept)."""
     for e in data.get("exchanges", []):

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tandem.broker.model import apply, records
+from tandem.broker.model import apply, definitions, records
 from tandem.broker.model import vhost as vhost_mod
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
@@ -55,6 +55,7 @@ class BrokerLog:
         # messages on replicated queues): it is whole again once it took a full copy.
         self.lost = sequencer.offset > 0
         self.on_checkpoint: Callable[[int, int, dict[str, Any]], None] = lambda e, o, b: None
+        self.on_auth: Callable[[], None] = lambda: None  # users changed: save them
 
     # -- what the protocol reads --
 
@@ -116,6 +117,8 @@ class BrokerLog:
                 json.dumps(apply.durable_definitions(self.broker), separators=(",", ":")).encode(),
             )
         ]
+        auth = records.define("", "auth", definitions.export_auth(self.broker))
+        out.append(records.frame(records.DEFINE, epoch, self.end, auth, False))
         bounds = sequencer.boundaries
 
         def epoch_at(offset: int) -> int:
@@ -188,6 +191,8 @@ class BrokerLog:
             log.error("record (%d, %d) from the primary not applied: %s", epoch, offset, exc)
         if rtype == records.CHECKPOINT:
             self.on_checkpoint(epoch, offset, records.json_payload(payload))
+        elif rtype == records.DEFINE and records.json_payload(payload).get("op") == "auth":
+            self.on_auth()
         sequencer.follow(epoch, offset)
         self.keep(offset, data)
 
@@ -214,6 +219,7 @@ class BrokerLog:
                 self.store.write(rtype, offset, data, key)
             apply.apply(broker, rtype, payload)
         sequencer.reset(boundaries, end)
+        self.on_auth()
         self.lost = False
         log.info(
             "took a full copy from the primary: %d records up to offset %d", len(snapshot), end
