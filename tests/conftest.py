@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import BUG_PHRASE, Broker
+from tests.support import BUG_PHRASE, Broker, LocalCluster
 
 
 @pytest.fixture
@@ -27,3 +27,12 @@ def broker_factory(tmp_path: Path) -> Iterator[type]:
 @pytest.fixture
 def broker(broker_factory) -> Broker:  # type: ignore[no-untyped-def]
     return broker_factory()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    """`tandem cluster up` with three members on free ports; its logs are checked after."""
+    c = LocalCluster(tmp_path / "cluster", 3).start()
+    yield c
+    c.stop()
+    assert BUG_PHRASE not in c.logs(), c.logs()

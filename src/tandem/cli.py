@@ -129,6 +129,16 @@ def _cluster_status(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError) as exc:
         print(f"tandem: cannot reach the cluster at {args.url}: {exc}", file=sys.stderr)
         return 1
+    if args.primary_pid:
+        pid = next(
+            (m["pid"] for m in answer["members"] if m["node"] == answer["primary"] and m["pid"]),
+            None,
+        )
+        if pid is None:
+            print("tandem: no primary serves right now", file=sys.stderr)
+            return 1
+        print(pid)
+        return 0
     if args.format == "json":
         print(json.dumps(answer, indent=2))
         return 0
@@ -362,6 +372,9 @@ def parser() -> argparse.ArgumentParser:
         cp.set_defaults(func=fn)
         if name == "status":
             cp.add_argument("--format", choices=("table", "json"), default="table")
+            cp.add_argument(
+                "--primary-pid", action="store_true", help="print only the primary's pid"
+            )
         else:
             cp.add_argument("--to", help="the member to promote (default: one in sync)")
 

@@ -11,23 +11,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pika
 import pytest
 
-from tests.support import BUG_PHRASE, LocalCluster
+from tests.support import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    c = LocalCluster(tmp_path / "cluster", 3).start()
-    yield c
-    c.stop()
-    assert BUG_PHRASE not in c.logs(), c.logs()
 
 
 def connect(c: LocalCluster) -> pika.BlockingConnection:

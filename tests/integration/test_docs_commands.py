@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tandem.broker import config
-from tests.support import Broker
+from tests.support import Broker, LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "docs-token"
@@ -37,16 +37,19 @@ def shell_lines(block: str) -> list[str]:
     return [c for c in commands if c]
 
 
-def pointed_at(line: str, b: Broker) -> str:
+def pointed_at(line: str, b: Broker | LocalCluster) -> str:
     return line.replace("127.0.0.1:15672", f"127.0.0.1:{b.admin_port}").replace(
         "127.0.0.1:5672", f"127.0.0.1:{b.amqp_port}"
     )
 
 
-def run(line: str, b: Broker) -> subprocess.CompletedProcess[str]:
+def run(
+    line: str, b: Broker | LocalCluster, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "TANDEM_ADMIN_URL": f"http://127.0.0.1:{b.admin_port}",
+        "TANDEM_CLUSTER_URL": f"http://127.0.0.1:{b.admin_port}",
         "TANDEM_ADMIN_TOKEN": TOKEN,
         "TOKEN": TOKEN,
         "AMQP_URL": b.url(),
@@ -56,7 +59,7 @@ def run(line: str, b: Broker) -> subprocess.CompletedProcess[str]:
         ["bash", "-c", pointed_at(line, b)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
         env=env,
         cwd=ROOT,
     )
@@ -69,10 +72,10 @@ def docs_broker(broker_factory: Any) -> Broker:
     return broker_factory({"admin_token": TOKEN})  # type: ignore[no-any-return]
 
 
-def test_readme_tour_python_snippet(broker: Broker) -> None:
+def test_readme_tour_python_snippet(cluster: LocalCluster) -> None:
     (snippet,) = blocks(ROOT / "README.md", "python", after="## A five-minute tour")
     out = subprocess.run(
-        [sys.executable, "-c", pointed_at(snippet, broker)],
+        [sys.executable, "-c", pointed_at(snippet, cluster)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -80,19 +83,32 @@ def test_readme_tour_python_snippet(broker: Broker) -> None:
     assert out.stdout.strip() == "b'order 1'", out.stderr
 
 
-def test_readme_tour_shell_commands(broker: Broker) -> None:
-    """The tour runs against a default node: no admin token."""
-    lines = [
-        line
-        for block in blocks(ROOT / "README.md", "sh", after="## A five-minute tour")
-        for line in shell_lines(block)
-    ]
+def test_readme_tour_failover(cluster: LocalCluster) -> None:
+    """The tour's failover, run as one script as a user pastes it."""
+    failover, _admin = blocks(ROOT / "README.md", "sh", after="## A five-minute tour")
+    first = cluster.cluster()
+    out = run(failover, cluster, timeout=240).stdout
+    assert "published 20000 messages, all confirmed" in out
+    assert "received 20000 distinct messages" in out
+    after = cluster.cluster()
+    assert after["epoch"] > first["epoch"] and after["primary"] != first["primary"]
+    assert out.count("primary: ") == 2  # the status before and after
+
+
+def test_readme_tour_admin_commands(cluster: LocalCluster) -> None:
+    """The tour's admin lines run against the cluster's admin address: no admin token."""
+    _failover, admin = blocks(ROOT / "README.md", "sh", after="## A five-minute tour")
+    lines = shell_lines(admin)
     assert any(line.startswith("curl") for line in lines)
     assert any(line.startswith("tandem ctl") for line in lines)
-    outputs = {line: run(line, broker).stdout for line in lines}
-    assert '"role"' in outputs["curl -s http://127.0.0.1:15672/status"]
+    before = cluster.cluster()["primary"]
+    outputs = {line: run(line, cluster).stdout for line in lines}
+    assert '"members"' in outputs["curl -s http://127.0.0.1:15672/cluster"]
+    assert '"role": "primary"' in outputs["curl -s http://127.0.0.1:15672/status"]
     assert "tandem_connections" in outputs["curl -s http://127.0.0.1:15672/metrics"]
-    pika.BlockingConnection(pika.URLParameters(broker.url("carol", "s3cret", "staging"))).close()
+    cluster.wait_for(lambda c: c["primary"] != before and c["serving"], "the switchover")
+    url = f"amqp://carol:s3cret@127.0.0.1:{cluster.amqp_port}/staging"
+    pika.BlockingConnection(pika.URLParameters(url)).close()
 
 
 def test_readme_yaml_config_is_valid() -> None:

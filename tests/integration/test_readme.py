@@ -35,11 +35,11 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert quick_start()[1] in ci.splitlines()
 
 
-def test_first_command_runs_a_broker_clients_can_use(tmp_path: Path) -> None:
+def test_first_command_runs_a_cluster_clients_can_use(tmp_path: Path) -> None:
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", 5672)) == 0:
             pytest.skip("port 5672 is taken on this machine (a RabbitMQ for the benchmarks?)")
-    data = ROOT / "data"
+    data = ROOT / "tandem-data"
     existed = data.exists()
     proc = subprocess.Popen(
         ["bash", "-c", quick_start()[0]],
@@ -62,4 +62,5 @@ def test_first_command_runs_a_broker_clients_can_use(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=30)
         if not existed:
             shutil.rmtree(data, ignore_errors=True)
-    assert "ready: amqp=5672 admin=15672" in out
+    assert "tandem cluster of 3 ready: amqp://guest:guest@127.0.0.1:5672/" in out
+    assert "admin http://127.0.0.1:15672/cluster" in out

@@ -133,7 +133,9 @@ class Supervisor:
                 return
             log.warning("member %s exited with %s; restarting it as a backup", proc.node, code)
             self.on_exit(proc)
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delay)  # a member that exits at once is not restarted in a loop
+            if self.stopping:
+                return
             delay = RESTART_DELAY if time.monotonic() - proc.started > 30 else min(delay * 2, 10)
             try:
                 await self.start(proc)
