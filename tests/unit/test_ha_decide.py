@@ -46,6 +46,8 @@ def parse_member(text: str, holder: str | None) -> Member:
             fields["caught_up"] = True
         elif word == "waited":
             fields["waited"] = True
+        elif word == "partial":
+            fields["whole"] = False
         elif word.startswith("applied="):
             fields["applied_version"] = int(word.split("=")[1])
         elif word.startswith("lag="):
