@@ -1,5 +1,7 @@
 // Firehose: publisher connections and one consumer connection, 100-byte messages.
-// usage: node bench/firehose.js URL transient|persistent COUNT [PUBLISHERS]
+// usage: node bench/firehose.js URL transient|persistent|quorum COUNT [PUBLISHERS]
+// quorum: persistent messages with confirms on a durable queue declared x-queue-type=quorum
+// (a replicated queue on RabbitMQ; on Tandem every queue is replicated by default).
 // Prints one JSON line: {mode, count, publishers, seconds, rate, received}. Exits non-zero if
 // any message is missing, duplicated or out of order (per publisher).
 'use strict';
@@ -9,13 +11,16 @@ async function main() {
   const [url, mode, countArg] = process.argv.slice(2);
   const count = Number(countArg);
   const publishers = Number(process.argv[5] || 1);
-  const persistent = mode === 'persistent';
+  const persistent = mode === 'persistent' || mode === 'quorum';
   const queue = `firehose-${mode}-${process.pid}-${Date.now()}`;
   const pubConns = [];
   for (let p = 0; p < publishers; p++) pubConns.push(await amqp.connect(url));
   const subConn = await amqp.connect(url);
   const sub = await subConn.createChannel();
-  await sub.assertQueue(queue, persistent ? { durable: true } : { durable: false, autoDelete: true });
+  const options = mode === 'quorum'
+    ? { durable: true, arguments: { 'x-queue-type': 'quorum' } }
+    : persistent ? { durable: true } : { durable: false, autoDelete: true };
+  await sub.assertQueue(queue, options);
   await sub.prefetch(1000);
   const pubs = [];
   for (const c of pubConns) pubs.push(persistent ? await c.createConfirmChannel() : await c.createChannel());

@@ -204,3 +204,27 @@ def test_a_paused_primary_confirms_nothing_and_steps_down(cluster: Cluster) -> N
     assert reply.reply_code == 320 and "no longer the primary (epoch 2)" in reply.reply_text
     assert a.status()["role"] == "backup"
     assert sorted(drain(b, "q")) == list(range(10))
+
+
+def test_a_member_stops_at_a_corrupt_record_and_takes_the_rest_from_the_primary(
+    cluster: Cluster,
+) -> None:
+    """In a cluster a corrupt record is not skipped: the member keeps its log up to it, sets
+    the rest aside, says so, and is whole again only from the primary's copy."""
+    a, b = cluster.add("a", segment_bytes=8192), cluster.add("b", segment_bytes=8192)
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 300)
+    b.stop()
+    segments = sorted((b.data_dir / "log").glob("*.seg"))
+    assert len(segments) > 2
+    data = bytearray(segments[1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    segments[1].write_bytes(bytes(data))
+    b.start()
+    assert "the rest comes from the primary" in b.log()
+    assert list((b.data_dir / "log").glob("*.seg.bad"))
+    assert b.status()["whole"] is False
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 1, start=300)  # confirmed: b holds everything again
+    assert b.queue("q")["depth"] == 301 and b.status()["whole"] is True

@@ -5,6 +5,12 @@ a Unix socket (SCM_RIGHTS), so client bytes never go through this process: no pr
 the data path. While there is no primary (a failover in progress) it holds new connections
 and hands them over once one is promoted, instead of refusing them; a connection held longer
 than `HOLD_SECONDS` is closed.
+
+It keeps its own descriptor of each socket it handed over. When the primary changes, it shuts
+those sockets down: a client of a primary that hangs (SIGSTOP, a stalled disk) sees its
+connection end at once and reconnects to the new primary, rather than waiting for its own
+heartbeat timeout (pika's is the heartbeat plus 5 s). The descriptors of connections that
+ended on their own are closed every second.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 HOLD_SECONDS = 30.0
+TCP_ESTABLISHED = 1  # tcpi_state in struct tcp_info
 
 
 class Front:
@@ -31,6 +38,7 @@ class Front:
         self.held: collections.deque[tuple[socket.socket, float]] = collections.deque()
         self.changed = asyncio.Event()
         self.handed = 0
+        self.clients: list[socket.socket] = []  # our descriptors of the target's clients
 
     def bind(self) -> int:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -50,7 +58,30 @@ class Front:
         if self.link is not None:
             self.link.close()
             self.link = None
+        self._cut_clients()
         self.changed.set()
+
+    def _cut_clients(self) -> None:
+        """End the connections of the primary we no longer point at."""
+        clients, self.clients = self.clients, []
+        for client in clients:
+            with contextlib.suppress(OSError):
+                client.shutdown(socket.SHUT_RDWR)
+            client.close()
+
+    def _prune(self) -> None:
+        """Close our descriptors of connections that ended."""
+        alive = []
+        for client in self.clients:
+            try:
+                state = client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+            except OSError:
+                state = 0
+            if state == TCP_ESTABLISHED:
+                alive.append(client)
+            else:
+                client.close()
+        self.clients = alive
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.listener is not None
@@ -62,6 +93,8 @@ class Front:
             self.changed.set()
         for sock, _t in self.held:
             sock.close()
+        for client in self.clients:
+            client.close()
         if self.link is not None:
             self.link.close()
         self.listener.close()
@@ -83,6 +116,7 @@ class Front:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), 1.0)
             self.changed.clear()
+            self._prune()
             now = time.monotonic()
             while self.held:
                 client, since = self.held[0]
@@ -111,6 +145,6 @@ class Front:
                 self.link.close()
                 self.link = None
             return False
-        client.close()  # the primary holds it now
+        self.clients.append(client)  # the primary serves it; we keep a descriptor to end it
         self.handed += 1
         return True
