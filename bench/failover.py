@@ -15,6 +15,7 @@ confirmed messages that were not consumed afterwards (it must be 0).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import signal
 import statistics
@@ -65,7 +66,7 @@ class Probe(threading.Thread):
     def gap_since(self, start: float) -> float:
         with self.lock:
             times = [t for t in self.confirms if t >= start - 0.5]
-        return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+        return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
     def count_since(self, start: float) -> int:
         with self.lock:

@@ -228,3 +228,26 @@ def test_a_member_stops_at_a_corrupt_record_and_takes_the_rest_from_the_primary(
     cluster.follow("b", "a", 1)
     publish(a, "q", 1, start=300)  # confirmed: b holds everything again
     assert b.queue("q")["depth"] == 301 and b.status()["whole"] is True
+
+
+def test_audit_checkpoints_record_the_same_depths_at_the_same_position(cluster: Cluster) -> None:
+    """A checkpoint is a record: every member writes down its queue depths when it applies
+    it, so the audit compares members at one position."""
+    a, b = cluster.add("a"), cluster.add("b")
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 30)
+    code, made = a.http("POST", "/replication/checkpoints")
+    assert code == 200 and made["node"] == "a"
+    publish(a, "q", 1, start=30)  # confirmed: b applied everything before it, the marker too
+    code, theirs = b.http("GET", "/replication/checkpoints")
+    assert code == 200 and theirs["node"] == "b"
+    (cp,) = [c for c in theirs["checkpoints"] if c["position"] == made["position"]]
+    assert cp["epoch"] == made["epoch"] == 1
+    depth = {d["queue"]: d["depth"] for d in cp["depths"]}
+    assert depth == {d["queue"]: d["depth"] for d in made["depths"]} == {"q": 30}
+    code, refused = b.http("POST", "/replication/checkpoints")
+    assert code == 503 and "backup" in refused
+    code, metrics = a.http("GET", "/metrics")
+    assert "tandem_epoch 1.0" in metrics and "tandem_isr_size 2.0" in metrics
+    assert 'tandem_member_lag_records{member="b"} 0.0' in metrics

@@ -87,6 +87,44 @@ class NodeCollector:
             "tandem_log_position", "Offset of the last log record", value=node.broker.journal.offset
         )
         yield GaugeMetricFamily("tandem_alarms", "Alarms in force", value=len(node.alarms))
+        member = node.member
+        if member is None:
+            return
+        st = member.status()
+        role = GaugeMetricFamily("tandem_role", "1 for this node's role", labels=["role"])
+        role.add_metric([node.role], 1)
+        yield role
+        yield GaugeMetricFamily("tandem_epoch", "The highest epoch adopted", value=st["epoch"])
+        yield CounterMetricFamily(
+            "tandem_failovers", "Times this node became primary", value=st["failovers"]
+        )
+        yield CounterMetricFamily(
+            "tandem_catch_up_bytes",
+            "Bytes taken from a primary to catch up",
+            value=st["catch_up_bytes"],
+        )
+        yield GaugeMetricFamily(
+            "tandem_replication_rtt_seconds",
+            "From shipping a record to its ack (smoothed)",
+            value=st["replication_rtt_seconds"],
+        )
+        if "isr" in st:
+            yield GaugeMetricFamily(
+                "tandem_isr_size", "Members in the in-sync set", value=len(st["isr"])
+            )
+            lag = GaugeMetricFamily(
+                "tandem_member_lag_records", "Records a member has not acked", labels=["member"]
+            )
+            lag_s = GaugeMetricFamily(
+                "tandem_member_lag_seconds",
+                "Age of the oldest record a member has not acked",
+                labels=["member"],
+            )
+            for name, m in st["members"].items():
+                lag.add_metric([name], m["lag_records"])
+                lag_s.add_metric([name], m["lag_seconds"])
+            yield lag
+            yield lag_s
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -198,6 +236,21 @@ def make_app(node: Node) -> web.Application:
             return _json_error(400, f"bad {what} command: {exc!r}")
         return web.json_response(answer)
 
+    async def checkpoints(request: web.Request) -> web.Response:
+        """GET: the per-queue depths this member recorded at each audit checkpoint it
+        applied (the last 100). POST (on the primary): put a checkpoint into the stream now."""
+        member = node.member
+        if member is None:
+            return _json_error(404, "audit checkpoints exist on cluster members only")
+        if request.method == "POST":
+            made = member.checkpoint()
+            if made is None:
+                return _json_error(503, f"{node.refusal}; checkpoints are made on the primary")
+            return web.json_response(made)
+        return web.json_response(
+            {"node": node.cfg.node_id, "checkpoints": list(member.checkpoints)}
+        )
+
     async def list_users(request: web.Request) -> web.Response:
         users = node.broker.users.users.values()
         return web.json_response([{"name": u.name, "tags": u.tags} for u in users])
@@ -299,6 +352,8 @@ def make_app(node: Node) -> web.Application:
             web.get("/api/queues", list_queues),
             web.get("/api/definitions", export_definitions),
             web.post("/ha/{command}", ha),
+            web.get("/replication/checkpoints", checkpoints),
+            web.post("/replication/checkpoints", checkpoints),
         ]
     )
     return app

@@ -54,7 +54,7 @@ class BrokerLog:
         # A log recovered from disk names records that were only in memory (transient
         # messages on replicated queues): it is whole again once it took a full copy.
         self.lost = sequencer.offset > 0
-        self.on_checkpoint: Callable[[int, int, dict[str, Any]], None] = lambda e, o, b: None
+        self.on_checkpoint: Callable[[int, int, dict[str, Any]], object] = lambda e, o, b: None
         self.on_auth: Callable[[], None] = lambda: None  # users changed: save them
 
     # -- what the protocol reads --

@@ -18,6 +18,7 @@ commands (fence, promote, follow, and the election record's ISR), and the Sequen
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -40,6 +41,8 @@ from tandem.ha.model import ElectionRecord, Role
 log = logging.getLogger(__name__)
 
 SLOW_BYTES = 64 << 20  # unsent bytes to one follower before it is cut off
+CHECKPOINT_EVERY = 10_000  # records between the primary's audit checkpoints
+CHECKPOINTS_KEPT = 100
 RETRY_SECONDS = 0.2  # between attempts to reach the primary
 TICK_SECONDS = 0.5  # a backup repeats its ack (or its Hello) this often
 
@@ -135,7 +138,13 @@ class Member:
         self.server: asyncio.Server | None = None
         self.failovers = 0
         self.caught_up_bytes = 0
-        self.rtt = 0.0
+        self.rtt = 0.0  # seconds from shipping a record to the ack that covers it (smoothed)
+        self.checkpoints: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=CHECKPOINTS_KEPT
+        )
+        self.last_checkpoint = 0
+        self.checkpoint_scheduled = False
+        self.log.on_checkpoint = self._record_checkpoint
         sequencer.applying = True  # a member serves nothing until it is promoted
 
     # -- the Shipper port --
@@ -146,6 +155,10 @@ class Member:
 
     def ship(self, data: bytes, offset: int) -> None:
         self.log.keep(offset, data)
+        if offset - self.last_checkpoint >= CHECKPOINT_EVERY and not self.checkpoint_scheduled:
+            self.checkpoint_scheduled = True
+            assert self.loop is not None
+            self.loop.call_soon(self.checkpoint)
         if not self.pending:
             self.pending_start = offset
             if not self.flush_scheduled and self.loop is not None:
@@ -161,6 +174,36 @@ class Member:
         frames, self.pending = self.pending, []
         self._send(self.replica.appended(self.pending_start, frames))
         self.sequencer.progress()
+
+    # -- audit checkpoints --
+
+    def checkpoint(self) -> dict[str, Any] | None:
+        """On the primary: put a checkpoint marker into the stream and record the depths at
+        it; every backup records its own when it applies the marker."""
+        self.checkpoint_scheduled = False
+        if self.replica.role is not Role.PRIMARY:
+            return None
+        body = {"time": time.time()}
+        offset = self.sequencer.checkpoint(body)
+        self.last_checkpoint = offset
+        return self._record_checkpoint(self.sequencer.epoch, offset, body)
+
+    def _record_checkpoint(self, epoch: int, offset: int, body: dict[str, Any]) -> dict[str, Any]:
+        depths = [
+            {"vhost": vh.name, "queue": q.name, "depth": q.depth, "replicate": q.replicate}
+            for vh in self.broker.vhosts.values()
+            for q in vh.queues.values()
+        ]
+        cp = {
+            "epoch": epoch,
+            "position": offset,
+            "time": body.get("time"),
+            "node": self.node,
+            "recorded_at": time.time(),
+            "depths": depths,
+        }
+        self.checkpoints.append(cp)
+        return cp
 
     # -- the controller's commands --
 
@@ -270,6 +313,13 @@ class Member:
             self.caught_up_bytes += sum(len(f) for f in msg.full)
         elif isinstance(msg, core.Sync):
             self.caught_up_bytes += sum(len(f) for f in msg.entries)
+        if (
+            isinstance(msg, core.Ack)
+            and self.replica.role is Role.PRIMARY
+            and msg.offset > self.replica.acked.get(msg.sender, msg.offset)
+        ):
+            age = self.log.age(msg.offset - 1)  # since the newest record it acks was shipped
+            self.rtt = age if not self.rtt else 0.9 * self.rtt + 0.1 * age
         outs = self.replica.peer(msg)
         self._after(before)
         self._send(outs)
@@ -461,6 +511,7 @@ class Member:
             "refused": self.refused,
             "failovers": self.failovers,
             "catch_up_bytes": self.caught_up_bytes,
+            "replication_rtt_seconds": round(self.rtt, 6),
         }
         if r.role is Role.PRIMARY:
             members = {}
