@@ -251,3 +251,19 @@ def test_audit_checkpoints_record_the_same_depths_at_the_same_position(cluster: 
     code, metrics = a.http("GET", "/metrics")
     assert "tandem_epoch 1.0" in metrics and "tandem_isr_size 2.0" in metrics
     assert 'tandem_member_lag_records{member="b"} 0.0' in metrics
+
+
+def test_a_primary_whose_lease_lapsed_closes_its_clients(cluster: Cluster) -> None:
+    """Liveness: a primary that stops hearing from the controller closes its clients and
+    refuses new ones until the controller renews it."""
+    a = cluster.add("a", lease_seconds=1.0, isr_min=1)
+    cluster.promote("a", 1, ["a"])
+    client = RawClient(a.amqp_port, timeout=10)
+    client.handshake()
+    _ch, reply = client.recv_frame()  # nothing renews a: the lease lapses
+    assert isinstance(reply, commands.Connection.Close)
+    assert reply.reply_code == 320 and "lease lapsed" in reply.reply_text
+    assert a.status()["lease_lapsed"] is True
+    cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a"])})
+    assert a.status()["lease_lapsed"] is False
+    RawClient(a.amqp_port).handshake()  # served again

@@ -92,6 +92,8 @@ class Config(BaseModel):
     cluster_key_file: PathSetting | None = None  # or the TANDEM_CLUSTER_KEY environment variable
     replication_tls: StrictBool = False  # replication over TLS with the node's certificate
     isr_min: Annotated[StrictInt, Field(ge=1)] = 2
+    # A primary the controller has not renewed for this long closes its clients (liveness).
+    lease_seconds: Annotated[float, Field(gt=0)] = 10.0
     default_replicate: Literal["none", "configuration", "all"] = "all"
     # A Unix socket on which the local cluster's front port hands this node accepted client
     # sockets (SCM_RIGHTS): clients reach the primary with no proxy hop.

@@ -255,17 +255,26 @@ class Node:
     def demoted(self, epoch: int) -> None:
         self.role = "backup"
         self.refusal = "this node is a cluster backup; it lost the primary role"
-        for proto in list(self.connections):
-            if proto.conn is not None:
-                proto.conn.force_close(
-                    320, f"CONNECTION_FORCED - this node is no longer the primary (epoch {epoch})"
-                )
-                proto.flush()
+        self._close_clients(f"this node is no longer the primary (epoch {epoch})")
 
     def following(self, primary: str, amqp: str | None) -> None:
         if self.role == "backup":
             where = f" at {amqp}" if amqp else ""
             self.refusal = f"this node is a cluster backup; the primary is {primary}{where}"
+
+    def lease(self, lapsed: bool) -> None:
+        if not lapsed:
+            if self.role == "primary":
+                self.refusal = None
+            return
+        self.refusal = "this primary's lease lapsed: the cluster's controller is not reachable"
+        self._close_clients(self.refusal)
+
+    def _close_clients(self, why: str) -> None:
+        for proto in list(self.connections):
+            if proto.conn is not None:
+                proto.conn.force_close(320, f"CONNECTION_FORCED - {why}")
+                proto.flush()
 
     def isr_blocked(self, reason: str | None) -> None:
         self.set_alarm("replication", reason)
@@ -372,6 +381,7 @@ class Node:
                 key=self.cluster_key,
                 data_dir=cfg.data_dir,
                 isr_min=cfg.isr_min,
+                lease=cfg.lease_seconds,
                 host=cfg.replication_host,
                 port=cfg.replication_port or 0,
                 server_ssl=self._tls_context() if cfg.replication_tls else None,

@@ -36,6 +36,7 @@ from tandem.broker.model.journal import Sequencer
 from tandem.broker.replication import core, wire
 from tandem.broker.replication.log import BrokerLog
 from tandem.broker.store.log import Store
+from tandem.ha import fencing
 from tandem.ha.model import ElectionRecord, Role
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ CHECKPOINT_EVERY = 10_000  # records between the primary's audit checkpoints
 CHECKPOINTS_KEPT = 100
 RETRY_SECONDS = 0.2  # between attempts to reach the primary
 TICK_SECONDS = 0.5  # a backup repeats its ack (or its Hello) this often
+LEASE_SECONDS = 10.0  # a primary the controller has not renewed for this long closes its clients
 
 
 class Hooks(Protocol):
@@ -61,6 +63,10 @@ class Hooks(Protocol):
 
     def following(self, primary: str, amqp: str | None) -> None:
         """This backup replicates from `primary`, whose clients connect to `amqp`."""
+
+    def lease(self, lapsed: bool) -> None:
+        """The controller stopped renewing this primary (close clients, refuse new ones), or
+        renewed it again."""
 
 
 class RefusedError(Exception):
@@ -106,6 +112,7 @@ class Member:
         key: bytes,
         data_dir: Path | None,
         isr_min: int,
+        lease: float = LEASE_SECONDS,
         host: str = "127.0.0.1",
         port: int = 0,
         server_ssl: ssl.SSLContext | None = None,
@@ -143,6 +150,9 @@ class Member:
             maxlen=CHECKPOINTS_KEPT
         )
         self.last_checkpoint = 0
+        self.renewed = time.monotonic()
+        self.lapsed = False
+        self.lease = lease
         self.checkpoint_scheduled = False
         self.log.on_checkpoint = self._record_checkpoint
         sequencer.applying = True  # a member serves nothing until it is promoted
@@ -229,6 +239,11 @@ class Member:
         return answer
 
     def _control(self, msg: core.ControlMessage) -> dict[str, Any]:
+        if isinstance(msg, core.Promote | core.Inform):
+            self.renewed = time.monotonic()
+            if self.lapsed:
+                self.lapsed = False
+                self.hooks.lease(False)
         before = (self.replica.role, self.replica.epoch)
         outs = self.replica.control(msg)
         self._after(before)
@@ -353,6 +368,21 @@ class Member:
             try:
                 if self.replica.role is not Role.PRIMARY and self.upstream is not None:
                     self._send(self.replica.tick())
+                since = time.monotonic() - self.renewed
+                if (
+                    self.replica.role is Role.PRIMARY
+                    and not self.lapsed
+                    and fencing.lease_lapsed(since, self.lease)
+                ):
+                    log.warning(
+                        "node %s epoch %d: no word from the controller for %.1f s; closing "
+                        "clients until it renews this primary",
+                        self.node,
+                        self.replica.epoch,
+                        since,
+                    )
+                    self.lapsed = True
+                    self.hooks.lease(True)
             except Exception:
                 log.exception("unexpected error, please report it as a bug: replication tick")
 
@@ -512,6 +542,7 @@ class Member:
             "failovers": self.failovers,
             "catch_up_bytes": self.caught_up_bytes,
             "replication_rtt_seconds": round(self.rtt, 6),
+            "lease_lapsed": self.lapsed,
         }
         if r.role is Role.PRIMARY:
             members = {}
