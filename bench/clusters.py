@@ -46,6 +46,15 @@ def _wait(ok: Any, what: str, timeout: float = 120.0) -> Any:
         time.sleep(0.05)
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed node's process may wait to be reaped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
+
+
 class TandemCluster:
     def __init__(self, replicas: int = 3) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-ha-bench-"))
@@ -138,10 +147,12 @@ class RabbitCluster:
     def start(self, node: str) -> None:
         (self.dir / "enabled_plugins").write_text("[].\n")
         (self.dir / node).mkdir(parents=True, exist_ok=True)
+        (self.dir / node / "pid").unlink(missing_ok=True)  # a killed node's stale pid
         # Debian's wrappers run the server and rabbitmqctl as the rabbitmq user.
         subprocess.run(["chown", "-R", "rabbitmq:rabbitmq", str(self.dir)], check=False)
         subprocess.run(["rabbitmq-server", "-detached"], env=self.env(node), check=True)
         self.ctl(node, "wait", str(self.dir / node / "pid"), "--timeout", "120")
+        self.ctl(node, "await_startup", "--timeout", "120")
 
     def ctl(self, node: str, *args: str) -> str:
         out = subprocess.run(
@@ -178,10 +189,12 @@ class RabbitCluster:
         return next(n for n in self.nodes if self.pid(n) == pid)
 
     def recover(self, pid: int) -> None:
+        """Restart a killed node (it rejoins its cluster) and wait until every node runs."""
         node = self.node_of_pid(pid)
-        with_pid = subprocess.run(["kill", "-0", str(pid)], capture_output=True)
-        if with_pid.returncode != 0:
-            self.start(node)  # a killed node comes back and rejoins its cluster
+        if not _running(pid):
+            self.start(node)
+        for n in self.nodes:
+            self.ctl(n, "await_startup", "--timeout", "120")
 
     def stop(self) -> None:
         for n in self.nodes:

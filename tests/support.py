@@ -361,3 +361,17 @@ class LocalCluster:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def drain(conn: Any, queue: str) -> list[bytes]:
+    """Take every message of `queue` with basic.get (auto-ack) on a pika connection, close
+    the connection, and return the bodies in order."""
+    ch = conn.channel()
+    got = []
+    while True:
+        method, _props, body = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            break
+        got.append(body)
+    conn.close()
+    return got

@@ -32,6 +32,7 @@ import pika.exceptions
 
 from tandem.local.cluster import LocalCluster
 from tandem.local.members import Proc
+from tests import support
 from tests.support import BUG_PHRASE
 
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
@@ -200,15 +201,7 @@ class Publisher(threading.Thread):
 
 def drain(url: str) -> list[int]:
     conn = pika.BlockingConnection(pika.URLParameters(url))
-    ch = conn.channel()
-    got = []
-    while True:
-        method, _p, body = ch.basic_get("chaos", auto_ack=True)
-        if method is None:
-            break
-        got.append(int(body))
-    conn.close()
-    return got
+    return [int(body) for body in support.drain(conn, "chaos")]
 
 
 def test_chaos(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import pika
 import pytest
 from pamqp import commands
 
+from tests import support
 from tests.support import Broker, RawClient
 
 
@@ -32,16 +33,7 @@ def publish_confirmed(
 
 
 def consume_all(broker: Broker, queue: str) -> list[bytes]:
-    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
-    ch = conn.channel()
-    got = []
-    while True:
-        m, _p, body = ch.basic_get(queue, auto_ack=True)
-        if m is None:
-            break
-        got.append(body)
-    conn.close()
-    return got
+    return support.drain(pika.BlockingConnection(pika.URLParameters(broker.url())), queue)
 
 
 def numbers(bodies: list[bytes]) -> list[int]:

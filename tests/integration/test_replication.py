@@ -14,6 +14,7 @@ import pika.exceptions
 import pytest
 from pamqp import commands
 
+from tests import support
 from tests.support import BUG_PHRASE, Broker, RawClient
 
 KEY = "test-cluster-key-0123456789abcdef"
@@ -81,15 +82,7 @@ def publish(b: Broker, queue: str, n: int, persistent: bool = True, start: int =
 
 def drain(b: Broker, queue: str) -> list[int]:
     conn = pika.BlockingConnection(pika.URLParameters(b.url()))
-    ch = conn.channel()
-    got = []
-    while True:
-        method, _props, body = ch.basic_get(queue, auto_ack=True)
-        if method is None:
-            break
-        got.append(int(body))
-    conn.close()
-    return got
+    return [int(body) for body in support.drain(conn, queue)]
 
 
 def test_a_backup_holds_every_confirmed_message_and_takes_over(cluster: Cluster) -> None:

@@ -59,6 +59,7 @@ def test_a_member_that_lost_volatile_records_is_not_a_candidate(
     member lost the records it held only in memory, promotes it and loses confirmed ones."""
     from tandem.ha import decide
 
+    monkeypatch.setattr(decide, "_none_whole_left", lambda view: True)
     monkeypatch.setattr(decide, "_lost_store", lambda m, epoch: m.answering and m.epoch < epoch)
     with pytest.raises(Violation, match="rule 4"):
         for seed in range(200):

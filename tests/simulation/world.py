@@ -93,6 +93,21 @@ class World:
                 raise Violation(f"epoch {new.epoch} given twice or going back ({self.record})")
             assert new.holder is not None
             self.holders[new.epoch] = new.holder
+            # Rule 4: a member that lost what it held only in memory becomes primary only
+            # when no in-sync member that kept it is up or paused (it might come back).
+            if not self.replicas[new.holder].log.whole:
+                kept = [
+                    n
+                    for n in self.record.isr
+                    if self.state[n] != "crashed"
+                    and self.replicas[n].log.whole
+                    and self.replicas[n].epoch >= self.record.epoch
+                ]
+                if kept:
+                    raise Violation(
+                        f"rule 4: {new.holder} lost records it held only in memory and was "
+                        f"made primary while {', '.join(kept)} still held them"
+                    )
         self.record = replace(new, version=expected.version + 1)
         self.log(f"record: {self.record.describe()} v{self.record.version}")
         return self.record
@@ -286,11 +301,6 @@ class World:
             self.epochs[n] = r.epoch
         primaries = [r for r in self.replicas.values() if r.role is Role.PRIMARY]
         for r in primaries:
-            if not r.log.whole:
-                raise Violation(
-                    f"rule 4: {r.node} lost records it held only in memory and was made "
-                    f"primary before it took them again"
-                )
             if self.holders.get(r.epoch) != r.node:
                 raise Violation(f"{r.node} acts as primary in epoch {r.epoch} it was not given")
             for o in range(1, r.confirmed + 1):

@@ -95,12 +95,17 @@ def _failover(view: View, target: str | None, why: str = "") -> Decision:
             return Decision(Action.REFUSE, f"{why}, but {target} has lost its store")
     # Every ISR member holds every confirmed record (rule 3), so any of them is safe; the
     # answering ones are fenced first so that their positions are final when compared. One
-    # whose epoch is below the record's has lost its store (see `_lost_store`).
-    candidates = [
-        m
-        for m in view.members
-        if m.node in record.isr and m.answering and not _lost_store(m, record.epoch)
+    # whose epoch is below the record's has lost its store, one that is `partial` what it held
+    # only in memory (see `_lost_store`).
+    in_sync = [
+        m for m in view.members if m.node in record.isr and m.answering and m.epoch >= record.epoch
     ]
+    candidates = [m for m in in_sync if m.whole]
+    if not candidates and in_sync and _none_whole_left(view):
+        # Every in-sync member restarted (a full-cluster restart, rule 8): what they held
+        # only in memory is gone from all of them, so the best of them is as good as any.
+        candidates = in_sync
+        why += "; every in-sync member restarted, so messages held only in memory are gone"
     if not candidates:
         return Decision(
             Action.WAIT,
@@ -138,6 +143,18 @@ def _lost_store(m: Member, epoch: int) -> bool:
     return m.answering and (m.epoch < epoch or not m.whole)
 
 
+def _none_whole_left(view: View) -> bool:
+    """No ISR member can still hold what was only in memory: each is down (a process that
+    ended lost its memory) or answers as partial; none is merely silent."""
+    for node in view.record.isr:
+        m = view.member(node)
+        if m is None or m.liveness is Liveness.DOWN:
+            continue
+        if m.liveness is Liveness.SILENT or m.whole:
+            return False
+    return True
+
+
 def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
     record = view.record
     for node in sorted(record.isr - {primary.node}):
@@ -145,10 +162,15 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
         if m is not None and _lost_store(m, record.epoch):
             # Dropped even below the ISR minimum: the primary then confirms nothing until
             # the member has caught up again and grown back.
+            lost = (
+                f"came back at epoch {m.epoch} below the record's {record.epoch}: it has lost "
+                "its store"
+                if m.epoch < record.epoch
+                else "restarted and lost what it held only in memory"
+            )
             return Decision(
                 Action.SHRINK_ISR,
-                f"{node} came back at epoch {m.epoch} below the record's {record.epoch}: it has "
-                f"lost its store; dropping it from the ISR before it rejoins",
+                f"{node} {lost}; dropping it from the ISR before it rejoins",
                 epoch=record.epoch,
                 isr=record.isr - {node},
                 tracking=record.tracking,

@@ -159,13 +159,22 @@ class Sequencer:
             self.disk.forget_queue(vhost, body["name"])
         self._record(records.DEFINE, records.define(vhost, op, body), durable, replicated, None)
 
-    def enqueue(self, queue: Queue, msg: Message) -> None:
+    def _message_change(self, queue: Queue, msg: Message) -> tuple[bool, bool] | None:
+        """(durable, replicated) of a change to `msg` on `queue`, or None when the change
+        takes no position (see the module's docstring)."""
         if self.applying:
-            return
+            return None
         durable = msg.persistent and queue.durable
         replicated = queue.replicate == "all"
         if not durable and not (replicated and self.shipper is not None):
+            return None
+        return durable, replicated
+
+    def enqueue(self, queue: Queue, msg: Message) -> None:
+        change = self._message_change(queue, msg)
+        if change is None:
             return
+        durable, replicated = change
         offset = self._next()
         if not msg.mid:
             msg.mid = offset
@@ -180,12 +189,10 @@ class Sequencer:
         )
 
     def dequeue(self, queue: Queue, msg: Message) -> None:
-        if self.applying:
+        change = self._message_change(queue, msg)
+        if change is None:
             return
-        durable = msg.persistent and queue.durable
-        replicated = queue.replicate == "all"
-        if not durable and not (replicated and self.shipper is not None):
-            return
+        durable, replicated = change
         vh = queue.vhost.name
         self._record(
             records.DEQUEUE,

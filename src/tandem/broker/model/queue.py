@@ -313,7 +313,7 @@ class Queue:
         self.delivered += 1
         if not c.no_ack:
             self.unacked += 1
-            if self.vhost.journal.shipping:
+            if self.replicate == "all" and self.vhost.journal.shipping:
                 self.vhost.journal.mark(self, msg)
                 self.outstanding[msg.mid] = msg
         c.deliver(self, msg)
@@ -329,7 +329,7 @@ class Queue:
         msg = self.messages.popleft()
         self.bytes -= msg.body_size
         self.delivered += 1
-        if self.vhost.journal.shipping:
+        if self.replicate == "all" and self.vhost.journal.shipping:
             self.vhost.journal.mark(self, msg)
             self.outstanding[msg.mid] = msg
         return msg

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from tandem.broker.model import apply
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.replication import core, wire
@@ -275,6 +276,7 @@ class Member:
                 self.state.save(r.epoch, uuid.uuid4().hex)
             self._stop_link()
             self.failovers += 1
+            apply.done(self.broker)  # the queues drop the index applying kept
             self.sequencer.applying = False
             self.sequencer.begin_term(r.epoch)
             self.sequencer.shipper = self
