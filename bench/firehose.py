@@ -59,7 +59,14 @@ def ensure_rabbitmq(url: str) -> None:
             "(apt-get install rabbitmq-server)"
         )
     subprocess.run(["rabbitmq-server", "-detached"], check=False)
-    subprocess.run(["rabbitmqctl", "await_startup", "--timeout", "120"], check=True)
+    # await_startup fails at once while the new node has not yet registered with epmd.
+    deadline = time.monotonic() + 120
+    while subprocess.run(
+        ["rabbitmqctl", "await_startup", "--timeout", "120"], capture_output=True
+    ).returncode:
+        if time.monotonic() > deadline:
+            raise SystemExit("RabbitMQ did not start in 120 s")
+        time.sleep(0.5)
 
 
 def rabbitmq_pid() -> int:

@@ -23,6 +23,7 @@ from tandem.broker.model import definitions
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.spec import UserSpec
+from tandem.broker.protocol import channel as channel_mod
 from tandem.broker.protocol import connection as conn_mod
 from tandem.broker.replication import member as member_mod
 from tandem.broker.store.lock import DataDirLock
@@ -132,7 +133,7 @@ class Node:
         )
         self.blocked_reason: str | None = None
         self.alarms: dict[str, str] = {}
-        self.reply_to: dict[str, conn_mod.Consumer] = {}
+        self.reply_to: dict[str, channel_mod.Consumer] = {}
         self.connections: set[server.AMQPProtocol] = set()
         self.ready = False
         self.amqp_port = 0
