@@ -9,22 +9,69 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Collection, Iterator
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
+from tandem.broker.config import Config
 from tandem.broker.model import definitions, spec
+from tandem.broker.model.broker import Broker
+from tandem.broker.protocol.connection import Connection
+from tandem.broker.replication.member import Member
 from tandem.ha.model import ElectionRecord
 
 if TYPE_CHECKING:
-    from tandem.broker.node import Node
     from tandem.broker.store.log import Store
 
 log = logging.getLogger(__name__)
+
+
+class HasConnection(Protocol):
+    @property
+    def conn(self) -> Connection | None: ...
+
+
+class Node(Protocol):
+    """What the admin API needs of its node (the port `tandem.broker.node.Node` implements)."""
+
+    @property
+    def cfg(self) -> Config: ...
+
+    @property
+    def broker(self) -> Broker: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def refusal(self) -> str | None: ...
+
+    @property
+    def cluster_key(self) -> bytes | None: ...
+
+    @property
+    def member(self) -> Member | None: ...
+
+    @property
+    def alarms(self) -> dict[str, str]: ...
+
+    @property
+    def connections(self) -> Collection[HasConnection]: ...
+
+    def status(self, brief: bool = False) -> dict[str, Any]: ...
+
+    def save_auth(self) -> None: ...
+
+    def delete_vhost(self, name: str) -> bool: ...
+
+
 M = TypeVar("M", bound=BaseModel)
 
 FSYNC_SECONDS = Histogram(
