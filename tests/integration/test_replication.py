@@ -260,3 +260,23 @@ def test_a_primary_whose_lease_lapsed_closes_its_clients(cluster: Cluster) -> No
     cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a"])})
     assert a.status()["lease_lapsed"] is False
     RawClient(a.amqp_port).handshake()  # served again
+
+
+def test_a_committed_transaction_is_on_the_backup_whole(cluster: Cluster) -> None:
+    """tx.commit-ok waits for the ISR like a confirm, and the transaction travels as one
+    group of records."""
+    a, b = cluster.add("a"), cluster.add("b")
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 5)
+    conn = pika.BlockingConnection(pika.URLParameters(a.url()))
+    ch = conn.channel()
+    ch.tx_select()
+    for i in range(5, 15):
+        ch.basic_publish("", "q", str(i).encode(), pika.BasicProperties(delivery_mode=2))
+    method, _p, _body = ch.basic_get("q")  # one delivery, acked in the transaction
+    assert method is not None
+    ch.basic_ack(method.delivery_tag)
+    ch.tx_commit()
+    conn.close()
+    assert b.queue("q")["depth"] == 14

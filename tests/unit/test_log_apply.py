@@ -55,10 +55,12 @@ def replay(frames: list[bytes]) -> tuple[Broker, Sequencer]:
     b = Broker(seq)
     b.add_vhost("/")
     seq.applying = True
+    grouper = records.Grouper()
     for data in frames:
-        for rtype, epoch, offset, payload in records.scan(data)[0]:
-            seq.follow(epoch, offset)
-            apply.apply(b, rtype, payload)
+        for record in records.scan(data)[0]:
+            for rtype, epoch, offset, payload in grouper.add(record):
+                seq.follow(epoch, offset)
+                apply.apply(b, rtype, payload)
     apply.done(b)
     seq.applying = False
     return b, seq
@@ -209,3 +211,23 @@ def test_confirms_wait_for_the_disk_and_the_isr() -> None:
     wire.held = seq.offset
     seq.progress()
     assert done == [1] and not seq.dirty()
+
+
+def test_a_transaction_is_one_group_of_records() -> None:
+    """tx.commit's publishes and acks go out as one group: every record but the last says
+    more follow, so a backup or a recovery applies all of them or none."""
+    b, seq, disk, wire, _now = primary()
+    q, _ = b.vhost("/").declare_queue("q", durable=True)
+    before = len(wire.frames)
+    seq.begin_group()
+    q.enqueue(msg(True, 1))
+    q.enqueue(msg(False, 2))
+    assert len(wire.frames) == before  # held until the group ends
+    seq.end_group()
+    group = wire.frames[before:]
+    assert [records.continues(f) for f in group] == [True, False]
+    assert [records.continues(f) for f in disk.frames[-1:]] == [True]  # the durable one
+    partial, _ = replay(wire.frames[:-1])
+    assert partial.vhost("/").queues["q"].depth == 0  # an unfinished group: nothing
+    whole, _ = replay(wire.frames)
+    assert whole.vhost("/").queues["q"].depth == 2

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from tandem.broker.model import records
+import asyncio
+from pathlib import Path
+
+from tandem.broker.model import apply, records
+from tandem.broker.model.broker import Broker
+from tandem.broker.model.journal import Sequencer
+from tandem.broker.store.log import Store
 
 
 def test_records_round_trip() -> None:
@@ -44,3 +50,39 @@ def test_a_cluster_member_stops_at_the_first_corrupt_record() -> None:
     found, end, corrupt, torn = records.scan(a + bytes(b) + c, stop_at_corrupt=True)
     assert [r[2] for r in found] == [1]
     assert end == len(a) and len(corrupt) == 1 and not torn
+
+
+def test_recovery_drops_a_transaction_a_crash_cut_short(tmp_path: Path) -> None:
+    """A group whose last record never reached the disk did not happen: recovery applies
+    none of it and cuts it off, so that later records cannot complete it."""
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    define = records.define(
+        "/", "queue.declare", {"name": "q", "durable": True, "auto_delete": False, "arguments": {}}
+    )
+
+    def enq(offset: int, more: bool) -> bytes:
+        from tandem.broker.model.message import Message
+
+        m = Message("", "q", b"\x00\x01q", b"\x10\x00\x02", b"x", 1)
+        m.mid = offset
+        return records.frame(records.ENQUEUE, 1, offset, records.enqueue("/", "q", m), True, more)
+
+    whole = enq(2, True) + enq(3, False)
+    cut = enq(4, True) + enq(5, True)
+    seg = log_dir / f"{1:020d}.seg"
+    seg.write_bytes(records.frame(records.DEFINE, 1, 1, define) + whole + cut)
+    seq = Sequencer()
+    broker = Broker(seq)
+    loop = asyncio.new_event_loop()
+    try:
+        store = Store(tmp_path, fsync=False)
+        seq.disk = store
+        result = store.open(broker, seq, loop)
+    finally:
+        loop.close()
+    q = broker.vhost("/").queues["q"]
+    assert sorted(m.mid for m in q.messages) == [2, 3]
+    assert seq.offset == 3 and result.truncated
+    assert seg.stat().st_size == len(records.frame(records.DEFINE, 1, 1, define)) + len(whole)
+    apply.done(broker)

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 Boundaries = tuple[tuple[int, int], ...]  # (epoch, first offset), in order
 
 NOOP_PAYLOAD = b""
+# A record of a group not yet emitted: type, offset, payload, durable, replicated, key.
+Pending = tuple[int, int, bytes, bool, bool, tuple[str, str, int] | None]
 
 
 class Journal(Protocol):
@@ -68,6 +70,11 @@ class Journal(Protocol):
 
     def dirty(self) -> bool:
         """True when something recorded is not yet done."""
+
+    def begin_group(self) -> None:
+        """The records until `end_group` are one group (a transaction): applied whole."""
+
+    def end_group(self) -> None: ...
 
 
 class Disk(Protocol):
@@ -112,6 +119,7 @@ class Sequencer:
         self.last_durable = 0  # offset of the last durable record handed to the disk
         self.last_shipped = 0
         self.waiters: collections.deque[tuple[int, int, Callable[[], None]]] = collections.deque()
+        self.group: list[Pending] | None = None  # records held back until the group ends
 
     @property
     def shipping(self) -> bool:
@@ -237,16 +245,31 @@ class Sequencer:
         durable: bool,
         replicated: bool,
         key: tuple[str, str, int] | None,
+        more: bool = False,
     ) -> None:
-        data = records.frame(rtype, self.epoch, offset, payload, durable)
+        if self.group is not None:
+            self.group.append((rtype, offset, payload, durable, replicated, key))
+            return
+        data = records.frame(rtype, self.epoch, offset, payload, durable, more)
         if durable and self.disk is not None:
             self.disk.write(rtype, offset, data, key)
             self.last_durable = offset
         if self.shipper is not None:
             if not replicated:
-                data = records.frame(records.NOOP, self.epoch, offset, NOOP_PAYLOAD, False)
+                data = records.frame(records.NOOP, self.epoch, offset, NOOP_PAYLOAD, False, more)
             self.shipper.ship(data, offset)
             self.last_shipped = offset
+
+    def begin_group(self) -> None:
+        self.group = []
+
+    def end_group(self) -> None:
+        """Emit the group's records, each but the last marked MORE."""
+        group = self.group or []
+        self.group = None
+        last = len(group) - 1
+        for i, (rtype, offset, payload, durable, replicated, key) in enumerate(group):
+            self._emit(rtype, offset, payload, durable, replicated, key, i < last)
 
     # -- completion --
 

@@ -6,7 +6,9 @@ are, replication ships every frame, and a backup writes the durable ones it rece
     magic "TL" | length u32 | crc32 u32 | type u8 | epoch u32 | offset u64 | payload
 
 The crc covers everything after it. The type's high bit says the record is durable (a backup
-writes it to disk); a record's identity is (epoch, offset).
+writes it to disk); the next bit (MORE) that more records of the same group follow: a group
+(a transaction's publishes and acks) is applied whole or not at all. A record's identity is
+(epoch, offset).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ MARK = 5  # a delivery to a consumer: after failover the message is redelivered=
 CHECKPOINT = 6  # an audit marker: each member records its queue depths when it applies it
 NOOP = 7  # holds the position of a durable change that is not replicated (a `none` queue's)
 DURABLE = 0x80
-TYPE_MASK = 0x7F
+MORE = 0x40
+TYPE_MASK = 0x3F
 
 NAMES = {
     DEFINE: "define",
@@ -51,8 +54,11 @@ NAMES = {
 }
 
 
-def frame(rtype: int, epoch: int, offset: int, payload: bytes, durable: bool = True) -> bytes:
-    rest = REC_META.pack(rtype | (DURABLE if durable else 0), epoch, offset) + payload
+def frame(
+    rtype: int, epoch: int, offset: int, payload: bytes, durable: bool = True, more: bool = False
+) -> bytes:
+    flags = (DURABLE if durable else 0) | (MORE if more else 0)
+    rest = REC_META.pack(rtype | flags, epoch, offset) + payload
     return REC_HDR.pack(MAGIC, len(rest), zlib.crc32(rest)) + rest
 
 
@@ -60,6 +66,11 @@ def head(data: bytes | memoryview) -> tuple[int, int, int, bool]:
     """(type, epoch, offset, durable) of a frame known to be whole and checked."""
     rtype, epoch, offset = REC_META.unpack_from(data, REC_HDR.size)
     return rtype & TYPE_MASK, epoch, offset, bool(rtype & DURABLE)
+
+
+def continues(data: bytes | memoryview) -> bool:
+    """True when more records of this one's group follow it."""
+    return bool(data[REC_HDR.size] & MORE)
 
 
 def payload(data: bytes) -> bytes:
@@ -76,7 +87,7 @@ class Corruption:
         return f"{self.where} at byte {self.offset}: {self.reason}"
 
 
-Scanned = tuple[int, int, int, bytes]  # type, epoch, offset, payload
+Scanned = tuple[int, int, int, bytes]  # type (with its MORE bit), epoch, offset, payload
 
 
 def scan(
@@ -100,7 +111,7 @@ def scan(
             _m, length, _crc = REC_HDR.unpack_from(data, pos)
             end = pos + REC_HDR.size + length
             rtype, epoch, offset = REC_META.unpack_from(data, pos + REC_HDR.size)
-            records.append((rtype & TYPE_MASK, epoch, offset, data[pos + HEADER : end]))
+            records.append((rtype & (TYPE_MASK | MORE), epoch, offset, data[pos + HEADER : end]))
             pos = good_end = end
             continue
         nxt = _next_valid(data, pos + 1)
@@ -137,6 +148,23 @@ def _next_valid(data: bytes, start: int) -> int | None:
             return pos
         pos = data.find(MAGIC, pos + 1)
     return None
+
+
+class Grouper:
+    """Collects records into their groups: `add` returns the records to apply together (one
+    record alone, or a whole group once its last record came), or nothing while a group is
+    still open. What remains in `pending` at the end is a group that was never finished."""
+
+    def __init__(self) -> None:
+        self.pending: list[Scanned] = []
+
+    def add(self, record: Scanned) -> list[Scanned]:
+        rtype, epoch, offset, data = record
+        self.pending.append((rtype & TYPE_MASK, epoch, offset, data))
+        if rtype & MORE:
+            return []
+        done, self.pending = self.pending, []
+        return done
 
 
 # -- payloads --

@@ -27,10 +27,15 @@ def commit(conn: Connection, ch: Channel, m: Any) -> None:
     publishes, ch.tx_publishes = ch.tx_publishes, []
     settles, ch.tx_settles = ch.tx_settles, []
     stored = False
-    for ex, msg, mandatory in publishes:
-        stored = basic.route(conn, ch, ex, msg, mandatory) or stored
-    for how, tag, multiple, requeue in settles:
-        basic.settle(conn, ch, tag, multiple, how, requeue)
+    journal = conn.broker.journal
+    journal.begin_group()  # one group in the log: a backup or a recovery applies all or none
+    try:
+        for ex, msg, mandatory in publishes:
+            stored = basic.route(conn, ch, ex, msg, mandatory) or stored
+        for how, tag, multiple, requeue in settles:
+            basic.settle(conn, ch, tag, multiple, how, requeue)
+    finally:
+        journal.end_group()
     commit_ok = frames.method_bytes(ch.number, commands.Tx.CommitOk())
     if stored:
         ch.hold_until_synced(commit_ok)

@@ -56,6 +56,7 @@ class BrokerLog:
         self.lost = sequencer.offset > 0
         self.on_checkpoint: Callable[[int, int, dict[str, Any]], object] = lambda e, o, b: None
         self.on_auth: Callable[[], None] = lambda: None  # users changed: save them
+        self.group: list[bytes] = []  # the frames of a group not yet complete
 
     # -- what the protocol reads --
 
@@ -166,8 +167,14 @@ class BrokerLog:
             raise AssertionError("a broker log is never cut back; the primary sends a full copy")
 
     def extend(self, entries: Sequence[bytes]) -> None:
+        group = self.group
         for data in entries:
-            self._take(data)
+            group.append(data)
+            if records.continues(data):
+                continue  # a group is applied once its last record came
+            for member in group:
+                self._take(member)
+            group.clear()
 
     def _take(self, data: bytes) -> None:
         rtype, epoch, offset, durable = records.head(data)
@@ -211,6 +218,7 @@ class BrokerLog:
             self.store.reset(list(boundaries))
         self.window.clear()
         self.window_bytes = 0
+        self.group.clear()
         for data in snapshot:
             rtype, _epoch, offset, durable = records.head(data)
             payload = records.payload(data)

@@ -162,8 +162,8 @@ class Store:
         self.pending.chunks.append((self.active, data))
         self.active_size += len(data)
         self._schedule()
-        if self.active_size >= self.segment_bytes:
-            self._roll()
+        if self.active_size >= self.segment_bytes and not records.continues(data):
+            self._roll()  # never inside a group: a group stays in one segment
 
     def _schedule(self) -> None:
         if not self.flush_scheduled and self.loop is not None:
@@ -207,7 +207,7 @@ class Store:
         found, _end, _corrupt, _torn = records.scan(self._path(seg).read_bytes(), str(seg))
         moved = 0
         for rtype, epoch, offset, payload in found:
-            if rtype != records.ENQUEUE:
+            if rtype & records.TYPE_MASK != records.ENQUEUE:
                 continue
             vhost, queue, mid = records.read_key(payload)
             key = (vhost, queue, mid)
@@ -369,6 +369,7 @@ class Store:
         paths = sorted(self.dir.glob("*.seg"))
         live: dict[Key, int] = {}
         epochs = self._read_epochs()
+        grouper = records.Grouper()
         sequencer.applying = True
         try:
             for i, path in enumerate(paths):
@@ -387,7 +388,12 @@ class Store:
                     else:
                         log.error("corrupt record in the log, skipped: %s", c)
                 result.corrupt.extend(corrupt)
-                self._replay(broker, sequencer, seg, found, live, result)
+                self._replay(broker, sequencer, seg, found, live, result, grouper)
+                if grouper.pending and i == len(paths) - 1:
+                    # A transaction cut short by a crash: none of it happened.
+                    size = sum(records.HEADER + len(r[3]) for r in grouper.pending)
+                    self._cut(path, good_end - size, result, "unfinished transaction")
+                    grouper.pending = []
                 if stop_at_corrupt and corrupt:
                     for later in paths[i + 1 :]:
                         aside = later.with_suffix(".seg.bad")
@@ -441,19 +447,33 @@ class Store:
         found: list[records.Scanned],
         live: dict[Key, int],
         result: Recovered,
+        grouper: records.Grouper,
     ) -> None:
-        for rtype, epoch, offset, payload in found:
-            result.records += 1
-            if rtype != records.SNAPSHOT and offset > sequencer.offset:
-                sequencer.follow(epoch, offset)
-            try:
-                apply.apply(broker, rtype, payload)
-                if rtype == records.ENQUEUE:
-                    live[records.read_key(payload)] = seg
-                elif rtype == records.DEQUEUE:
-                    live.pop(records.read_key(payload), None)
-            except ValueError as exc:
-                log.error("record (%d, %d) in segment %d skipped: %s", epoch, offset, seg, exc)
+        for record in found:
+            for rec in grouper.add(record):
+                self._replay_one(broker, sequencer, seg, rec, live, result)
+
+    def _replay_one(
+        self,
+        broker: Broker,
+        sequencer: Sequencer,
+        seg: int,
+        record: records.Scanned,
+        live: dict[Key, int],
+        result: Recovered,
+    ) -> None:
+        rtype, epoch, offset, payload = record
+        result.records += 1
+        if rtype != records.SNAPSHOT and offset > sequencer.offset:
+            sequencer.follow(epoch, offset)
+        try:
+            apply.apply(broker, rtype, payload)
+            if rtype == records.ENQUEUE:
+                live[records.read_key(payload)] = seg
+            elif rtype == records.DEQUEUE:
+                live.pop(records.read_key(payload), None)
+        except ValueError as exc:
+            log.error("record (%d, %d) in segment %d skipped: %s", epoch, offset, seg, exc)
 
     def _read_epochs(self) -> list[tuple[int, int]]:
         path = self.dir / "epochs"
