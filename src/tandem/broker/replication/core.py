@@ -69,8 +69,13 @@ class Log(Protocol):
     def since(self, offset: int) -> Sequence[Any] | None:
         """The entries after `offset`, or None when they are no longer held."""
 
-    def snapshot(self) -> Any:
-        """A full copy: what a follower installs instead of entries."""
+    def digest(self) -> Any:
+        """What a follower that is not whole still holds, so that the primary can send it
+        the difference rather than everything (None: send everything)."""
+
+    def snapshot(self, theirs: Any = None) -> Any:
+        """A copy for a follower: everything, or, given its `digest` (its log is a prefix of
+        ours), what differs."""
 
     def truncate(self, offset: int) -> None: ...
 
@@ -107,7 +112,10 @@ class EpochLog(list[int]):
     def since(self, offset: int) -> Sequence[int] | None:
         return tuple(self[offset:])
 
-    def snapshot(self) -> tuple[int, ...]:
+    def digest(self) -> Any:
+        return None
+
+    def snapshot(self, theirs: Any = None) -> tuple[int, ...]:
         return tuple(self)
 
     def truncate(self, offset: int) -> None:
@@ -126,6 +134,7 @@ class Hello:
     boundaries: Boundaries
     end: int
     whole: bool = True
+    digest: Any = None  # from a follower that is not whole: what it still holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,7 +415,10 @@ class Replica:
         if not again:
             self.session = (self.incarnation, self.session[1] + 1)
         log = self.log
-        hello = Hello(self.node, self.epoch, self.session, log.boundaries(), log.end, log.whole)
+        digest = None if log.whole else log.digest()
+        hello = Hello(
+            self.node, self.epoch, self.session, log.boundaries(), log.end, log.whole, digest
+        )
         return self.following, hello
 
     def _ack(self) -> Out:
@@ -424,7 +436,9 @@ class Replica:
         self.acked.pop(msg.sender, None)  # until it acks the synced log
         entries = log.since(agree) if msg.whole and (agree == msg.end or log.truncates) else None
         if entries is None:
-            full = Sync(self.node, self.epoch, msg.session, 0, (), log.snapshot(), mine, log.end)
+            # A follower whose log is a prefix of ours may take just the difference.
+            copy = log.snapshot(msg.digest if agree == msg.end else None)
+            full = Sync(self.node, self.epoch, msg.session, 0, (), copy, mine, log.end)
             return [(msg.sender, full)]
         return [(msg.sender, Sync(self.node, self.epoch, msg.session, agree, entries))]
 

@@ -30,6 +30,8 @@ from tandem.broker.store.log import Store
 log = logging.getLogger(__name__)
 
 WINDOW_BYTES = 64 << 20
+# The first frame of a copy that is a difference, not everything.
+DIFF = records.define("", "difference", {})
 
 
 class BrokerLog:
@@ -106,11 +108,24 @@ class BrokerLog:
             return self.clock() - window[0][2]
         return self.clock() - window[index][2]
 
-    def snapshot(self) -> list[bytes]:
-        """A full copy of the replicated state at `end`, as frames."""
+    def digest(self) -> dict[str, dict[str, list[list[int]]]]:
+        """What this member holds: for each queue replicated `all`, its message ids as
+        ranges (a restarted member holds its persistent messages; the primary sends the rest)."""
+        out: dict[str, dict[str, list[list[int]]]] = {}
+        for vh in self.broker.vhosts.values():
+            for q in vh.queues.values():
+                if q.replicate == "all":
+                    out.setdefault(vh.name, {})[q.name] = _ranges(sorted(m.mid for m in q.messages))
+        return out
+
+    def snapshot(self, theirs: Any = None) -> list[bytes]:
+        """A copy of the replicated state at `end`, as frames: all of it, or, given a
+        follower's digest, the definitions and what differs from what it holds."""
+        held = _parse_digest(theirs)
         sequencer = self.sequencer
         epoch = self.last_epoch
-        out = [
+        out = [] if held is None else [records.frame(records.DEFINE, epoch, self.end, DIFF, False)]
+        out += [
             records.frame(
                 records.SNAPSHOT,
                 epoch,
@@ -147,17 +162,24 @@ class BrokerLog:
             for q in vh.queues.values():
                 if q.replicate != "all":
                     continue
-                held: list[Message] = sorted(
+                ours: list[Message] = sorted(
                     [*q.messages, *q.outstanding.values()], key=lambda m: m.mid
                 )
-                for m in held:
-                    durable = m.persistent and q.durable
+                theirs_q = None if held is None else held.get((vh.name, q.name), set())
+                for m in ours:
                     e = epoch_at(m.mid)
-                    payload = records.enqueue(vh.name, q.name, m)
-                    out.append(records.frame(records.ENQUEUE, e, m.mid, payload, durable))
+                    if theirs_q is None or m.mid not in theirs_q:
+                        durable = m.persistent and q.durable
+                        payload = records.enqueue(vh.name, q.name, m)
+                        out.append(records.frame(records.ENQUEUE, e, m.mid, payload, durable))
                     if m.redelivered or m.mid in q.outstanding:
                         key = records.key(vh.name, q.name, m.mid)
                         out.append(records.frame(records.MARK, e, m.mid, key, False))
+                if theirs_q:
+                    gone = theirs_q - {m.mid for m in ours}
+                    for mid in sorted(gone):  # consumed since the follower's log ends
+                        key = records.key(vh.name, q.name, mid)
+                        out.append(records.frame(records.DEQUEUE, epoch, self.end, key, q.durable))
         return out
 
     # -- what the protocol writes (on a backup) --
@@ -204,7 +226,45 @@ class BrokerLog:
         self.keep(offset, data)
 
     def install(self, boundaries: core.Boundaries, end: int, snapshot: Any) -> None:
-        """Replace the whole state with the primary's copy (taken at `end`)."""
+        """Take the primary's copy (made at `end`): the difference from what this member
+        holds (its log is a prefix of the primary's), or everything."""
+        frames: list[bytes] = list(snapshot)
+        if frames and records.payload(frames[0]) == DIFF:
+            self._install_difference(boundaries, end, frames[1:])
+        else:
+            self._install_all(boundaries, end, frames)
+        self.lost = False
+        self.on_auth()
+
+    def _install_difference(
+        self, boundaries: core.Boundaries, end: int, frames: list[bytes]
+    ) -> None:
+        """Apply the difference on top of what this member holds, writing the durable part
+        after its log (a prefix of the primary's, so its records stay true)."""
+        store = self.store
+        self.window.clear()
+        self.window_bytes = 0
+        self.group.clear()
+        for data in frames:
+            rtype, _epoch, offset, durable = records.head(data)
+            payload = records.payload(data)
+            if durable and store is not None:
+                key = (
+                    records.read_key(payload)
+                    if rtype in (records.ENQUEUE, records.DEQUEUE)
+                    else None
+                )
+                store.write(rtype, offset, data, key)
+            apply.apply(self.broker, rtype, payload)
+        self.sequencer.reset(boundaries, end)
+        if store is not None:
+            store.set_boundaries(list(boundaries))
+        log.info(
+            "took the difference from the primary: %d records up to offset %d", len(frames), end
+        )
+
+    def _install_all(self, boundaries: core.Boundaries, end: int, snapshot: list[bytes]) -> None:
+        """Replace the whole state and log with the primary's copy."""
         broker, sequencer = self.broker, self.sequencer
         for name in list(broker.vhosts):
             vh = broker.vhosts[name]
@@ -227,8 +287,35 @@ class BrokerLog:
                 self.store.write(rtype, offset, data, key)
             apply.apply(broker, rtype, payload)
         sequencer.reset(boundaries, end)
-        self.on_auth()
-        self.lost = False
         log.info(
             "took a full copy from the primary: %d records up to offset %d", len(snapshot), end
         )
+
+
+def _ranges(mids: list[int]) -> list[list[int]]:
+    """Sorted ids as inclusive [first, last] runs: a queue's ids are mostly consecutive."""
+    out: list[list[int]] = []
+    for mid in mids:
+        if out and mid == out[-1][1] + 1:
+            out[-1][1] = mid
+        else:
+            out.append([mid, mid])
+    return out
+
+
+def _parse_digest(theirs: Any) -> dict[tuple[str, str], set[int]] | None:
+    """A follower's digest as sets of ids per queue; None (send everything) when absent or
+    not as `BrokerLog.digest` writes it."""
+    if not isinstance(theirs, dict):
+        return None
+    out: dict[tuple[str, str], set[int]] = {}
+    try:
+        for vhost, queues in theirs.items():
+            for queue, runs in queues.items():
+                ids: set[int] = set()
+                for first, last in runs:
+                    ids.update(range(int(first), int(last) + 1))
+                out[(str(vhost), str(queue))] = ids
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return out

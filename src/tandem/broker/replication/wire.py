@@ -58,6 +58,7 @@ def encode(msg: core.PeerMessage) -> bytes:
             boundaries=[list(b) for b in msg.boundaries],
             end=msg.end,
             whole=msg.whole,
+            digest=msg.digest,
         )
     elif isinstance(msg, core.Sync):
         h.update(session=list(msg.session), agree=msg.agree, end=msg.end)
@@ -131,6 +132,7 @@ def decode(data: bytes) -> core.PeerMessage:
                 _boundaries(h["boundaries"]),
                 int(h["end"]),
                 bool(h["whole"]),
+                h.get("digest"),
             )
         if kind == SYNC:
             entries = frames(body)

@@ -147,6 +147,12 @@ class Store:
         self.segments[self.active] = 0
         self.active_size = 0
 
+    def set_boundaries(self, boundaries: list[tuple[int, int]]) -> None:
+        """The log's epochs are now these (a backup took a difference from its primary)."""
+        with self.lock:
+            self.pending.epochs.clear()
+            self._rewrite_epochs(boundaries)
+
     def when_synced(self, callback: Callable[[], None]) -> None:
         """Call back once everything handed so far is on disk."""
         if self.pending.chunks:
