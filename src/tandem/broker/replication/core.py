@@ -70,12 +70,11 @@ class Log(Protocol):
         """The entries after `offset`, or None when they are no longer held."""
 
     def digest(self) -> Any:
-        """What a follower that is not whole still holds, so that the primary can send it
-        the difference rather than everything (None: send everything)."""
+        """What a follower holds, so that a copy can be the difference rather than
+        everything (None: send everything)."""
 
     def snapshot(self, theirs: Any = None) -> Any:
-        """A copy for a follower: everything, or, given its `digest` (its log is a prefix of
-        ours), what differs."""
+        """A copy for a follower: everything, or, given its `digest`, what differs."""
 
     def truncate(self, offset: int) -> None: ...
 
@@ -134,7 +133,7 @@ class Hello:
     boundaries: Boundaries
     end: int
     whole: bool = True
-    digest: Any = None  # from a follower that is not whole: what it still holds
+    digest: Any = None  # what the follower holds, should it need a copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,7 +414,7 @@ class Replica:
         if not again:
             self.session = (self.incarnation, self.session[1] + 1)
         log = self.log
-        digest = None if log.whole else log.digest()
+        digest = log.digest()
         hello = Hello(
             self.node, self.epoch, self.session, log.boundaries(), log.end, log.whole, digest
         )
@@ -436,8 +435,8 @@ class Replica:
         self.acked.pop(msg.sender, None)  # until it acks the synced log
         entries = log.since(agree) if msg.whole and (agree == msg.end or log.truncates) else None
         if entries is None:
-            # A follower whose log is a prefix of ours may take just the difference.
-            copy = log.snapshot(msg.digest if agree == msg.end else None)
+            # With the follower's digest, a copy is just the difference from what it holds.
+            copy = log.snapshot(msg.digest)
             full = Sync(self.node, self.epoch, msg.session, 0, (), copy, mine, log.end)
             return [(msg.sender, full)]
         return [(msg.sender, Sync(self.node, self.epoch, msg.session, agree, entries))]

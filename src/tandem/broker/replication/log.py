@@ -135,15 +135,7 @@ class BrokerLog:
         ]
         auth = records.define("", "auth", definitions.export_auth(self.broker))
         out.append(records.frame(records.DEFINE, epoch, self.end, auth, False))
-        bounds = sequencer.boundaries
-
-        def epoch_at(offset: int) -> int:
-            found = bounds[0][0] if bounds else epoch
-            for e, first in bounds:
-                if first > offset:
-                    break
-                found = e
-            return found
+        bounds = tuple(sequencer.boundaries)
 
         for vh in self.broker.vhosts.values():
             for ex in vh.exchanges.values():
@@ -167,7 +159,7 @@ class BrokerLog:
                 )
                 theirs_q = None if held is None else held.get((vh.name, q.name), set())
                 for m in ours:
-                    e = epoch_at(m.mid)
+                    e = _epoch_at(bounds, m.mid, epoch)
                     if theirs_q is None or m.mid not in theirs_q:
                         durable = m.persistent and q.durable
                         payload = records.enqueue(vh.name, q.name, m)
@@ -239,8 +231,11 @@ class BrokerLog:
     def _install_difference(
         self, boundaries: core.Boundaries, end: int, frames: list[bytes]
     ) -> None:
-        """Apply the difference on top of what this member holds, writing the durable part
-        after its log (a prefix of the primary's, so its records stay true)."""
+        """Apply the difference on top of what this member holds. If its log is a prefix of
+        the primary's, the durable part is written after it; if the log went past the point
+        where the two agree, its records are not the cluster's history: the log starts over
+        with what the member now holds, written here rather than sent."""
+        diverged = core.agreement(self.boundaries(), self.end, boundaries, end) < self.end
         store = self.store
         self.window.clear()
         self.window_bytes = 0
@@ -257,11 +252,38 @@ class BrokerLog:
                 store.write(rtype, offset, data, key)
             apply.apply(self.broker, rtype, payload)
         self.sequencer.reset(boundaries, end)
-        if store is not None:
+        if store is not None and diverged:
+            store.reset(list(boundaries))
+            for data in self._durable_state(boundaries, end):
+                rtype, _epoch, offset, _durable = records.head(data)
+                payload = records.payload(data)
+                key = records.read_key(payload) if rtype == records.ENQUEUE else None
+                store.write(rtype, offset, data, key)
+        elif store is not None:
             store.set_boundaries(list(boundaries))
         log.info(
-            "took the difference from the primary: %d records up to offset %d", len(frames), end
+            "took the difference from the primary: %d records up to offset %d%s",
+            len(frames),
+            end,
+            "; the log starts over from what this node holds" if diverged else "",
         )
+
+    def _durable_state(self, boundaries: core.Boundaries, end: int) -> list[bytes]:
+        """This member's durable state as frames: the durable definitions, then every
+        persistent message of every durable queue at its own position."""
+        last = boundaries[-1][0] if boundaries else 0
+        body = json.dumps(apply.durable_definitions(self.broker), separators=(",", ":"))
+        out = [records.frame(records.SNAPSHOT, last, end, body.encode())]
+        for vh in self.broker.vhosts.values():
+            for q in vh.queues.values():
+                if not q.durable:
+                    continue
+                for m in sorted(q.messages, key=lambda m: m.mid):
+                    if m.persistent:
+                        payload = records.enqueue(vh.name, q.name, m)
+                        epoch = _epoch_at(boundaries, m.mid, last)
+                        out.append(records.frame(records.ENQUEUE, epoch, m.mid, payload))
+        return out
 
     def _install_all(self, boundaries: core.Boundaries, end: int, snapshot: list[bytes]) -> None:
         """Replace the whole state and log with the primary's copy."""
@@ -290,6 +312,16 @@ class BrokerLog:
         log.info(
             "took a full copy from the primary: %d records up to offset %d", len(snapshot), end
         )
+
+
+def _epoch_at(bounds: core.Boundaries, offset: int, default: int) -> int:
+    """The epoch of the record at `offset`, by where each epoch began."""
+    found = bounds[0][0] if bounds else default
+    for e, first in bounds:
+        if first > offset:
+            break
+        found = e
+    return found
 
 
 def _ranges(mids: list[int]) -> list[list[int]]:

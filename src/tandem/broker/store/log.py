@@ -470,7 +470,7 @@ class Store:
     ) -> None:
         rtype, epoch, offset, payload = record
         result.records += 1
-        if rtype != records.SNAPSHOT and offset > sequencer.offset:
+        if offset > sequencer.offset:  # a snapshot restates the position it was made at
             sequencer.follow(epoch, offset)
         try:
             apply.apply(broker, rtype, payload)
