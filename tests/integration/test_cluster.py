@@ -228,3 +228,22 @@ def test_a_full_cluster_restart_keeps_every_persistent_message(cluster: LocalClu
     cluster.start()  # waits for a serving primary and a full ISR
     assert cluster.cluster()["epoch"] > epoch
     assert sorted(drain(cluster, "rq")) == list(range(1, 200, 2))
+
+
+def test_members_die_with_the_cluster_process_and_it_starts_again(
+    cluster: LocalCluster,
+) -> None:
+    """kill -9 of `tandem cluster up` leaves no member behind holding its data dir, so the
+    same command starts the cluster again with its persistent messages."""
+    publish(cluster, "dq", range(20))
+    pids = [m["pid"] for m in cluster.cluster()["members"]]
+    assert cluster.proc is not None
+    cluster.proc.kill()
+    cluster.proc.wait(30)
+    cluster.proc = None
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        assert time.monotonic() < deadline, "members outlived their cluster"
+        time.sleep(0.05)  # polling for the kernel to end them
+    cluster.start()
+    assert sorted(drain(cluster, "dq")) == list(range(1, 20, 2))

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +33,16 @@ STATUS_TIMEOUT = 0.4  # a poll that takes longer counts as no answer
 COMMAND_TIMEOUT = 2.0
 RENEW_SECONDS = 1.0
 RESTART_DELAY = 0.5  # after a member exits, before it is started again (doubling to 10 s)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel sends it SIGTERM when the cluster process dies
+    (even by kill -9), so no member outlives its cluster holding its data dir."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(slots=True)
@@ -101,6 +113,7 @@ class Supervisor:
                 str(config),
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
             )
         finally:
             out.close()
