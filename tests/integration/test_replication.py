@@ -5,6 +5,7 @@ rules named per test."""
 from __future__ import annotations
 
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import pika.exceptions
 import pytest
 from pamqp import commands
 
+from tandem.broker.replication import wire
 from tests import support
 from tests.support import BUG_PHRASE, Broker, RawClient
 
@@ -341,3 +343,64 @@ def test_a_member_whose_log_diverged_takes_the_difference_and_starts_its_log_ove
     a.kill()
     a.start()
     assert a.queue("q")["depth"] == 9 and a.status()["position"] == position
+
+
+def test_replication_runs_over_tls(cluster: Cluster, certs: tuple[Path, Path]) -> None:
+    cert, key = certs
+    tls = {
+        "tls_certfile": str(cert),
+        "tls_keyfile": str(key),
+        "tls_cafile": str(cert),
+        "tls_port": 0,
+        "replication_tls": True,
+    }
+    a, b = cluster.add("a", **tls), cluster.add("b", **tls)
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 20)
+    assert b.queue("q")["depth"] == 20
+    # The listener speaks TLS only: a plain client gets no challenge.
+    assert a.replication_port is not None
+    with socket.create_connection(("127.0.0.1", a.replication_port), timeout=1) as s:
+        s.sendall(wire.pack(wire.ANSWER, {"version": wire.VERSION}))
+        with pytest.raises((TimeoutError, ConnectionError)):
+            if not s.recv(100):
+                raise ConnectionError("closed")
+
+
+def test_a_store_of_another_cluster_refuses_to_join(cluster: Cluster) -> None:
+    """Rule 6: a member whose store belongs to another cluster says so and does not join."""
+    a, c = cluster.add("a"), cluster.add("c")
+    cluster.promote("a", 1, ["a"])
+    cluster.promote("c", 1, ["c"])  # c's store now names a cluster of its own
+    cluster.ha("c", "fence", {"epoch": 2})
+    cluster.follow("c", "a", 2)
+    theirs = a.status()["cluster"]
+    for _ in range(200):
+        refused = c.status()["refused"]
+        if refused:
+            break
+        a.status()  # a round trip while c's link tries
+    assert refused is not None and "belongs to cluster" in refused and theirs in refused
+    assert "give this node an empty data dir" in refused
+    assert c.status()["synced"] is False  # it took nothing from a
+
+
+def test_a_peer_speaking_another_protocol_version_is_refused(cluster: Cluster) -> None:
+    a = cluster.add("a")
+    assert a.replication_port is not None
+    with socket.create_connection(("127.0.0.1", a.replication_port), timeout=5) as s:
+        data = b""
+        while (got := wire.split(data)) is None:
+            data += s.recv(4096)
+        kind, challenge, _ = wire.header(data[: got[1]])
+        assert kind == wire.CHALLENGE and challenge["version"] == wire.VERSION
+        s.sendall(wire.pack(wire.ANSWER, {"version": 99, "node": "x", "proof": ""}))
+        data = b""
+        while (got := wire.split(data)) is None:
+            chunk = s.recv(4096)
+            assert chunk, "closed without a reason"
+            data += chunk
+        kind, reply, _ = wire.header(data[: got[1]])
+    assert kind == wire.REFUSE
+    assert reply["reason"] == "it speaks replication protocol version 99, this node speaks 1"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import ssl
 import subprocess
 import sys
@@ -240,36 +239,6 @@ def test_bad_config_is_a_clear_error(tmp_path: Path) -> None:
         timeout=30,
     )
     assert "unknown setting 'nonsense_key'" in r.stderr
-
-
-@pytest.fixture
-def certs(tmp_path: Path) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
 
 
 def test_tls_listener(broker_factory, certs: tuple[Path, Path]) -> None:  # type: ignore[no-untyped-def]
