@@ -15,7 +15,7 @@ import pika.exceptions
 import pytest
 from pamqp import commands
 
-from tandem.broker.replication import wire
+from tandem.broker.replication import core, wire
 from tests import support
 from tests.support import BUG_PHRASE, Broker, RawClient
 
@@ -404,3 +404,30 @@ def test_a_peer_speaking_another_protocol_version_is_refused(cluster: Cluster) -
         kind, reply, _ = wire.header(data[: got[1]])
     assert kind == wire.REFUSE
     assert reply["reason"] == "it speaks replication protocol version 99, this node speaks 1"
+
+
+def test_a_follower_that_stops_reading_is_cut_off(cluster: Cluster) -> None:
+    """Flow control: a follower that does not keep up cannot grow the primary's memory
+    without bound; past 64 MiB unsent it is disconnected (and would catch up later)."""
+    a = cluster.add("a", isr_min=1)
+    cluster.promote("a", 1, ["a"])
+    assert a.replication_port is not None
+    with socket.create_connection(("127.0.0.1", a.replication_port), timeout=5) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        data = b""
+        while (got := wire.split(data)) is None:
+            data += s.recv(4096)
+        _kind, challenge, _ = wire.header(data[: got[1]])
+        proof = wire.proof(KEY.encode(), challenge["nonce"], "slow")
+        s.sendall(wire.pack(wire.ANSWER, {"version": wire.VERSION, "node": "slow", "proof": proof}))
+        hello = core.Hello("slow", 1, (1, 1), (), 0)
+        s.sendall(wire.encode(hello))
+        conn = pika.BlockingConnection(pika.URLParameters(a.url()))
+        ch = conn.channel()
+        ch.queue_declare("big", durable=True)
+        ch.confirm_delivery()
+        body = b"x" * 100_000
+        for _ in range(900):  # 90 MB, none of it read by "slow"
+            ch.basic_publish("", "big", body, pika.BasicProperties(delivery_mode=2))
+        conn.close()
+        assert "member slow is" in a.log() and "disconnecting it" in a.log()
