@@ -5,7 +5,8 @@ The cluster is `tandem.local.cluster.LocalCluster` (what `tandem cluster up` run
 members as real `tandem broker` processes; it runs in a thread here so that each member's
 replication listener can be reached through a TCP proxy this test controls. A pika publisher
 with confirms goes through the front port and republishes what was not confirmed when its
-connection drops (at-least-once). At the end every confirmed id must be consumed; duplicates
+connection drops (at-least-once); three of them at once keep the two cores busy. At the end
+every confirmed id of each must be consumed; duplicates
 are counted; outside the failover windows the confirm rate stays within 50% of the rate
 measured before the faults; no log has the bug phrase.
 
@@ -37,6 +38,7 @@ from tests.support import BUG_PHRASE
 
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
 FAULTS = int(os.environ.get("CHAOS_FAULTS", "8"))
+PUBLISHERS = 3  # the load: each a pika publisher with confirms, each checked
 BASELINE_SECONDS = 4.0
 
 
@@ -164,9 +166,10 @@ class Harness:
 class Publisher(threading.Thread):
     """Publishes ids 0, 1, 2, ... with confirms; records when each was confirmed."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, queue: str) -> None:
         super().__init__(daemon=True)
         self.url = url
+        self.queue = queue
         self.confirmed: dict[int, float] = {}
         self.sent = 0
         self.reconnects = 0
@@ -179,7 +182,7 @@ class Publisher(threading.Thread):
             try:
                 conn = pika.BlockingConnection(pika.URLParameters(self.url))
                 ch = conn.channel()
-                ch.queue_declare("chaos", durable=True)
+                ch.queue_declare(self.queue, durable=True)
                 ch.confirm_delivery()
                 while not self.halt.is_set():
                     if not pending:
@@ -188,7 +191,7 @@ class Publisher(threading.Thread):
                     i = pending[0]
                     mode = 2 if i % 2 else 1  # persistent and reliable transient
                     ch.basic_publish(
-                        "", "chaos", str(i).encode(), pika.BasicProperties(delivery_mode=mode)
+                        "", self.queue, str(i).encode(), pika.BasicProperties(delivery_mode=mode)
                     )
                     pending.popleft()
                     self.confirmed[i] = time.monotonic()
@@ -199,21 +202,26 @@ class Publisher(threading.Thread):
                 time.sleep(0.1)  # the client's retry delay
 
 
-def drain(url: str) -> list[int]:
+def drain(url: str, queue: str) -> list[int]:
     conn = pika.BlockingConnection(pika.URLParameters(url))
-    return [int(body) for body in support.drain(conn, "chaos")]
+    return [int(body) for body in support.drain(conn, queue)]
 
 
 def test_chaos(tmp_path: Path) -> None:
     rng = random.Random(SEED)
     h = Harness(tmp_path / "cluster")
     h.start()
-    pub = Publisher(h.url())
-    pub.start()
+    pubs = [Publisher(h.url(), f"chaos-{i}") for i in range(PUBLISHERS)]
+    for pub in pubs:
+        pub.start()
+
+    def confirm_times() -> list[float]:
+        return [t for pub in pubs for t in list(pub.confirmed.values())]
+
     try:
         t0 = time.monotonic()
         time.sleep(BASELINE_SECONDS)  # measuring the no-fault rate over this span
-        baseline = sum(1 for t in pub.confirmed.values() if t >= t0) / BASELINE_SECONDS
+        baseline = sum(1 for t in confirm_times() if t >= t0) / BASELINE_SECONDS
         assert baseline > 50, f"publisher too slow to judge: {baseline:.0f}/s"
         windows: list[tuple[float, float, str]] = []
         for _ in range(FAULTS):
@@ -244,26 +252,33 @@ def test_chaos(tmp_path: Path) -> None:
             time.sleep(rng.uniform(1.0, 2.0))  # steady load between faults
         end = time.monotonic()
     finally:
-        pub.halt.set()
-        pub.join(60)
-    confirmed = dict(pub.confirmed)
-    got = drain(h.url())
+        for pub in pubs:
+            pub.halt.set()
+        for pub in pubs:
+            pub.join(60)
+    times = confirm_times()
+    missing: list[tuple[str, int]] = []
+    duplicates = consumed = 0
+    for pub in pubs:
+        got = drain(h.url(), pub.queue)
+        consumed += len(got)
+        missing += [(pub.queue, i) for i in sorted(set(pub.confirmed) - set(got))]
+        duplicates += len(got) - len(set(got))
     h.shutdown()
-    missing = sorted(set(confirmed) - set(got))
-    duplicates = len(got) - len(set(got))
     # Outside the fault windows (and the second after each), the rate stays near baseline.
     slow = []
     second = t0 + BASELINE_SECONDS
     while second + 1 <= end:
         inside = any(s - 0.5 <= second + 1 and second <= e + 1.0 for s, e, _k in windows)
         if not inside:
-            n = sum(1 for t in confirmed.values() if second <= t < second + 1)
+            n = sum(1 for t in times if second <= t < second + 1)
             if n < 0.5 * baseline:
                 slow.append((round(second - t0, 1), n))
         second += 1
     report = (
-        f"seed {SEED}: {len(confirmed)} confirmed, {len(got)} consumed, {duplicates} "
-        f"duplicates, {pub.reconnects} reconnects, baseline {baseline:.0f}/s, faults "
+        f"seed {SEED}: {len(times)} confirmed, {consumed} consumed, {duplicates} "
+        f"duplicates, {sum(p.reconnects for p in pubs)} reconnects, baseline {baseline:.0f}/s, "
+        f"faults "
         f"{[k for _s, _e, k in windows]}, slow seconds {slow}"
     )
     print(report)

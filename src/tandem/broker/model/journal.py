@@ -50,16 +50,17 @@ class Journal(Protocol):
 
     def define(
         self, vhost: str, op: str, body: dict[str, Any], durable: bool, replicated: bool = True
-    ) -> None:
-        """A declaration, deletion, binding or unbinding."""
+    ) -> int:
+        """A declaration, deletion, binding or unbinding. Each call returns the position
+        of its record (0 when the change takes none)."""
 
-    def enqueue(self, queue: Queue, msg: Message) -> None:
+    def enqueue(self, queue: Queue, msg: Message) -> int:
         """A message entered a queue; sets msg.mid on its first record."""
 
-    def dequeue(self, queue: Queue, msg: Message) -> None:
+    def dequeue(self, queue: Queue, msg: Message) -> int:
         """A message left a queue for good (ack, drop, expiry, purge)."""
 
-    def mark(self, queue: Queue, msg: Message) -> None:
+    def mark(self, queue: Queue, msg: Message) -> int:
         """A message was delivered to a consumer and awaits its ack."""
 
     def must_wait(self, queue: Queue, msg: Message) -> bool:
@@ -157,15 +158,17 @@ class Sequencer:
 
     def define(
         self, vhost: str, op: str, body: dict[str, Any], durable: bool, replicated: bool = True
-    ) -> None:
+    ) -> int:
         if self.applying:
-            return
+            return 0
         shipped = self.shipper is not None
         if not durable and not (shipped and replicated):
-            return
+            return 0
         if durable and op == "queue.delete" and self.disk is not None:
             self.disk.forget_queue(vhost, body["name"])
-        self._record(records.DEFINE, records.define(vhost, op, body), durable, replicated, None)
+        return self._record(
+            records.DEFINE, records.define(vhost, op, body), durable, replicated, None
+        )
 
     def _message_change(self, queue: Queue, msg: Message) -> tuple[bool, bool] | None:
         """(durable, replicated) of a change to `msg` on `queue`, or None when the change
@@ -178,10 +181,10 @@ class Sequencer:
             return None
         return durable, replicated
 
-    def enqueue(self, queue: Queue, msg: Message) -> None:
+    def enqueue(self, queue: Queue, msg: Message) -> int:
         change = self._message_change(queue, msg)
         if change is None:
-            return
+            return 0
         durable, replicated = change
         offset = self._next()
         if not msg.mid:
@@ -195,14 +198,15 @@ class Sequencer:
             replicated,
             (vh, queue.name, msg.mid),
         )
+        return offset
 
-    def dequeue(self, queue: Queue, msg: Message) -> None:
+    def dequeue(self, queue: Queue, msg: Message) -> int:
         change = self._message_change(queue, msg)
         if change is None:
-            return
+            return 0
         durable, replicated = change
         vh = queue.vhost.name
-        self._record(
+        return self._record(
             records.DEQUEUE,
             records.key(vh, queue.name, msg.mid),
             durable,
@@ -210,17 +214,18 @@ class Sequencer:
             (vh, queue.name, msg.mid),
         )
 
-    def mark(self, queue: Queue, msg: Message) -> None:
+    def mark(self, queue: Queue, msg: Message) -> int:
         if self.applying or self.shipper is None or queue.replicate != "all":
-            return
-        self._record(
+            return 0
+        return self._record(
             records.MARK, records.key(queue.vhost.name, queue.name, msg.mid), False, True, None
         )
 
     def checkpoint(self, body: dict[str, Any]) -> int:
         """An audit marker in the replicated stream; returns its offset."""
-        self._record(records.CHECKPOINT, records.define("", "checkpoint", body), False, True, None)
-        return self.offset
+        return self._record(
+            records.CHECKPOINT, records.define("", "checkpoint", body), False, True, None
+        )
 
     def must_wait(self, queue: Queue, msg: Message) -> bool:
         return (msg.persistent and queue.durable) or (
@@ -234,8 +239,10 @@ class Sequencer:
         durable: bool,
         replicated: bool,
         key: tuple[str, str, int] | None,
-    ) -> None:
-        self._emit(rtype, self._next(), payload, durable, replicated, key)
+    ) -> int:
+        offset = self._next()
+        self._emit(rtype, offset, payload, durable, replicated, key)
+        return offset
 
     def _emit(
         self,
