@@ -1,4 +1,4 @@
-"""`tandem broker | cluster | ctl`: the command line."""
+"""`tandem broker | cluster | operator | ctl`: the command line."""
 
 from __future__ import annotations
 
@@ -161,6 +161,13 @@ def _cluster_switchover(args: argparse.Namespace) -> int:
         print(f"tandem: cannot reach the cluster at {args.url}: {exc}", file=sys.stderr)
         return 1
     print(f"switching over to {answer['switchover_to']}")
+    return 0
+
+
+def _operator_crd(args: argparse.Namespace) -> int:
+    from tandem.operator import crd
+
+    sys.stdout.write(crd.render())
     return 0
 
 
@@ -377,6 +384,11 @@ def parser() -> argparse.ArgumentParser:
             )
         else:
             cp.add_argument("--to", help="the member to promote (default: one in sync)")
+
+    op = sub.add_parser("operator", help="the Kubernetes operator's pieces (docs: issue 6)")
+    osub = op.add_subparsers(dest="operator_command", required=True)
+    crd_cmd = osub.add_parser("crd", help="print the BrokerCluster CRD (crds/brokercluster.yaml)")
+    crd_cmd.set_defaults(func=_operator_crd)
 
     c = sub.add_parser(
         "ctl",
