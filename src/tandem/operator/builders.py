@@ -1,0 +1,288 @@
+"""Pure builders: a BrokerCluster in, the Kubernetes objects that run it out, as plain dicts.
+
+No API calls here (kopf's "only the clients talk to the API"; CloudNativePG's pkg/specs):
+the operator's handlers pass these dicts to the one module that talks to Kubernetes, and the
+tests compare them with golden files.
+
+- `<name>-members`, a headless Service: each member's stable DNS name (replication, admin);
+- `<name>`, the client Service: its selector follows the `tandem.dev/role: primary` label the
+  operator moves to the primary pod on failover;
+- `<name>-config`, the members' settings; `<name>-cluster-key`, the shared key;
+- `<name>`, the StatefulSet: restricted pod security, probes on /ready and /health, one volume
+  claim per member;
+- a PodDisruptionBudget (one member down at a time), a NetworkPolicy (replication and admin
+  only from members and the operator), and the Lease that holds the election record.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from tandem.operator.spec import BrokerClusterSpec
+
+AMQP_PORT = 5672
+ADMIN_PORT = 15672
+REPLICATION_PORT = 5673
+DATA_DIR = "/var/lib/tandem"
+CONFIG_DIR = "/etc/tandem"
+KEY_DIR = "/etc/tandem/cluster"
+RUN_AS = 10001
+ROLE_LABEL = "tandem.dev/role"
+OPERATOR_NAME = "tandem-operator"
+
+Obj = dict[str, Any]
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "tandem",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/managed-by": OPERATOR_NAME,
+    }
+
+
+def selector(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": name}
+
+
+def _meta(name: str, namespace: str, owner: str) -> Obj:
+    return {"name": name, "namespace": namespace, "labels": labels(owner)}
+
+
+def members_service(name: str, namespace: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(f"{name}-members", namespace, name),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # members find each other before they are ready
+            "selector": selector(name),
+            "ports": [
+                {"name": "amqp", "port": AMQP_PORT},
+                {"name": "admin", "port": ADMIN_PORT},
+                {"name": "replication", "port": REPLICATION_PORT},
+            ],
+        },
+    }
+
+
+def client_service(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
+    meta = _meta(name, namespace, name)
+    if spec.service.annotations:
+        meta["annotations"] = dict(spec.service.annotations)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": spec.service.type,
+            "selector": {**selector(name), ROLE_LABEL: "primary"},
+            "ports": [{"name": "amqp", "port": AMQP_PORT, "targetPort": "amqp"}],
+        },
+    }
+
+
+def member_settings(spec: BrokerClusterSpec) -> Obj:
+    """Each member's tandem.yaml (the node id comes from the pod name)."""
+    return {
+        "host": "0.0.0.0",
+        "admin_host": "0.0.0.0",
+        "amqp_port": AMQP_PORT,
+        "admin_port": ADMIN_PORT,
+        "data_dir": DATA_DIR,
+        "replication_port": REPLICATION_PORT,
+        "replication_host": "0.0.0.0",
+        "cluster_key_file": f"{KEY_DIR}/key",
+        "isr_min": spec.isr_min,
+        "default_replicate": spec.replication.default,
+        "lease_seconds": spec.failover.lease_seconds,
+    }
+
+
+def config_map(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(f"{name}-config", namespace, name),
+        "data": {"tandem.yaml": yaml.safe_dump(member_settings(spec), sort_keys=True)},
+    }
+
+
+def cluster_key_secret(name: str, namespace: str, key: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(f"{name}-cluster-key", namespace, name),
+        "type": "Opaque",
+        "stringData": {"key": key},
+    }
+
+
+def stateful_set(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
+    container: Obj = {
+        "name": "tandem",
+        "image": spec.image,
+        "args": ["broker", "--config", f"{CONFIG_DIR}/tandem.yaml", "--node-id", "$(POD_NAME)"],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "ports": [
+            {"name": "amqp", "containerPort": AMQP_PORT},
+            {"name": "admin", "containerPort": ADMIN_PORT},
+            {"name": "replication", "containerPort": REPLICATION_PORT},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "admin"}, "periodSeconds": 2},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "admin"},
+            "periodSeconds": 5,
+            "failureThreshold": 6,
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "data", "mountPath": DATA_DIR},
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "cluster-key", "mountPath": KEY_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    resources = spec.resources.model_dump(exclude_defaults=True)
+    if resources:
+        container["resources"] = resources
+    claim: Obj = {
+        "metadata": {"name": "data", "labels": selector(name)},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": spec.storage.size}},
+        },
+    }
+    if spec.storage.storage_class_name:
+        claim["spec"]["storageClassName"] = spec.storage.storage_class_name
+    template: Obj = {
+        "metadata": {"labels": labels(name)},
+        "spec": {
+            "automountServiceAccountToken": False,  # brokers never talk to the API
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RUN_AS,
+                "runAsGroup": RUN_AS,
+                "fsGroup": RUN_AS,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "terminationGracePeriodSeconds": 30,
+            "containers": [container],
+            "volumes": [
+                {"name": "config", "configMap": {"name": f"{name}-config"}},
+                {"name": "cluster-key", "secret": {"secretName": f"{name}-cluster-key"}},
+                {"name": "tmp", "emptyDir": {}},
+            ],
+        },
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(name, namespace, name),
+        "spec": {
+            "replicas": spec.replicas,
+            "serviceName": f"{name}-members",
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector(name)},
+            "template": merge(template, spec.pod_template),
+            "volumeClaimTemplates": [claim],
+            "persistentVolumeClaimRetentionPolicy": {
+                "whenDeleted": spec.storage.retention,
+                "whenScaled": "Retain",
+            },
+        },
+    }
+
+
+def disruption_budget(name: str, namespace: str) -> Obj:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(name, namespace, name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name)}},
+    }
+
+
+def network_policy(name: str, namespace: str) -> Obj:
+    peers = [
+        {"podSelector": {"matchLabels": selector(name)}},
+        {
+            "namespaceSelector": {},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": OPERATOR_NAME}},
+        },
+    ]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(name, namespace, name),
+        "spec": {
+            "podSelector": {"matchLabels": selector(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"port": AMQP_PORT}]},  # clients, from anywhere the Service reaches
+                {"from": peers, "ports": [{"port": ADMIN_PORT}, {"port": REPLICATION_PORT}]},
+            ],
+        },
+    }
+
+
+def lease(name: str, namespace: str, holder: str | None, epoch: int, isr: list[str]) -> Obj:
+    """The election record (DESIGN): the holder, leaseTransitions as the epoch, the ISR in an
+    annotation. Only the operator writes it, by resourceVersion compare-and-set."""
+    meta = _meta(name, namespace, name)
+    meta["annotations"] = {"tandem.dev/isr": ",".join(sorted(isr))}
+    body: Obj = {"leaseTransitions": epoch}
+    if holder is not None:
+        body["holderIdentity"] = holder
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": meta,
+        "spec": body,
+    }
+
+
+def all_objects(name: str, namespace: str, spec: BrokerClusterSpec, key: str) -> list[Obj]:
+    """Everything a BrokerCluster needs, in the order to create it."""
+    return [
+        cluster_key_secret(name, namespace, key),
+        config_map(name, namespace, spec),
+        members_service(name, namespace),
+        client_service(name, namespace, spec),
+        stateful_set(name, namespace, spec),
+        disruption_budget(name, namespace),
+        network_policy(name, namespace),
+        lease(name, namespace, None, 0, []),
+    ]
+
+
+def merge(base: Obj, overrides: Obj) -> Obj:
+    """`overrides` laid over `base`: mappings merge key by key, anything else replaces.
+    Lists of named items (containers, volumes) merge by name, as kubectl's strategic merge
+    does for them."""
+    out = copy.deepcopy(base)
+    for key, value in overrides.items():
+        old = out.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            out[key] = merge(old, value)
+        elif isinstance(old, list) and isinstance(value, list) and _named(old) and _named(value):
+            by_name = {item["name"]: item for item in old}
+            for item in value:
+                by_name[item["name"]] = merge(by_name.get(item["name"], {}), item)
+            out[key] = list(by_name.values())
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _named(items: list[Any]) -> bool:
+    return all(isinstance(i, dict) and "name" in i for i in items)
