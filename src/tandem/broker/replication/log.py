@@ -237,20 +237,7 @@ class BrokerLog:
         with what the member now holds, written here rather than sent."""
         diverged = core.agreement(self.boundaries(), self.end, boundaries, end) < self.end
         store = self.store
-        self.window.clear()
-        self.window_bytes = 0
-        self.group.clear()
-        for data in frames:
-            rtype, _epoch, offset, durable = records.head(data)
-            payload = records.payload(data)
-            if durable and store is not None:
-                key = (
-                    records.read_key(payload)
-                    if rtype in (records.ENQUEUE, records.DEQUEUE)
-                    else None
-                )
-                store.write(rtype, offset, data, key)
-            apply.apply(self.broker, rtype, payload)
+        self._apply_copy(frames)
         self.sequencer.reset(boundaries, end)
         if store is not None and diverged:
             store.reset(list(boundaries))
@@ -267,6 +254,23 @@ class BrokerLog:
             end,
             "; the log starts over from what this node holds" if diverged else "",
         )
+
+    def _apply_copy(self, frames: list[bytes]) -> None:
+        """Apply a copy's frames, writing the durable ones; what was kept for catch-up goes."""
+        self.window.clear()
+        self.window_bytes = 0
+        self.group.clear()
+        for data in frames:
+            rtype, _epoch, offset, durable = records.head(data)
+            payload = records.payload(data)
+            if durable and self.store is not None:
+                key = (
+                    records.read_key(payload)
+                    if rtype in (records.ENQUEUE, records.DEQUEUE)
+                    else None
+                )
+                self.store.write(rtype, offset, data, key)
+            apply.apply(self.broker, rtype, payload)
 
     def _durable_state(self, boundaries: core.Boundaries, end: int) -> list[bytes]:
         """This member's durable state as frames: the durable definitions, then every
@@ -298,16 +302,7 @@ class BrokerLog:
                 vh.remove_exchange(ex)
         if self.store is not None:
             self.store.reset(list(boundaries))
-        self.window.clear()
-        self.window_bytes = 0
-        self.group.clear()
-        for data in snapshot:
-            rtype, _epoch, offset, durable = records.head(data)
-            payload = records.payload(data)
-            if durable and self.store is not None:
-                key = records.read_key(payload) if rtype == records.ENQUEUE else None
-                self.store.write(rtype, offset, data, key)
-            apply.apply(broker, rtype, payload)
+        self._apply_copy(snapshot)
         sequencer.reset(boundaries, end)
         log.info(
             "took a full copy from the primary: %d records up to offset %d", len(snapshot), end
