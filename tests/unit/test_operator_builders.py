@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -113,3 +114,24 @@ def test_the_lease_holds_the_election_record() -> None:
     lease = builders.lease("demo", "ns", "demo-1", 4, ["demo-1", "demo-0"])
     assert lease["spec"] == {"leaseTransitions": 4, "holderIdentity": "demo-1"}
     assert lease["metadata"]["annotations"]["tandem.dev/isr"] == "demo-0,demo-1"
+
+
+K8S = "1.33"  # a current Kubernetes; kubernetes-validate bundles its schemas
+
+
+@pytest.mark.parametrize("index", range(8))
+def test_every_object_is_valid_for_kubernetes(index: int) -> None:
+    kubernetes_validate.validate(objects()[index], K8S, strict=True)
+
+
+def test_the_crd_is_valid_for_kubernetes() -> None:
+    from tandem.operator import crd
+
+    kubernetes_validate.validate(crd.build(), K8S, strict=True)
+
+
+def test_the_validation_would_catch_a_mistake() -> None:
+    sts = builders.stateful_set("demo", "ns", sample())
+    sts["spec"]["replicas"] = "three"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, K8S, strict=True)
