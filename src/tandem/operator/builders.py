@@ -286,3 +286,130 @@ def merge(base: Obj, overrides: Obj) -> Obj:
 
 def _named(items: list[Any]) -> bool:
     return all(isinstance(i, dict) and "name" in i for i in items)
+
+
+# -- the operator itself --
+
+OPERATOR_RULES: list[Obj] = [
+    # The resource it serves.
+    {
+        "apiGroups": ["tandem.dev"],
+        "resources": ["brokerclusters"],
+        "verbs": ["get", "list", "watch", "patch", "update"],
+    },
+    {
+        "apiGroups": ["tandem.dev"],
+        "resources": ["brokerclusters/status"],
+        "verbs": ["get", "patch", "update"],
+    },
+    # What it builds.
+    {
+        "apiGroups": ["apps"],
+        "resources": ["statefulsets"],
+        "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["services", "configmaps", "secrets"],
+        "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"],
+    },
+    {
+        "apiGroups": ["policy"],
+        "resources": ["poddisruptionbudgets"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
+    # The election record, and the role label it moves between pods.
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "create", "update"],
+    },
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["list", "delete"]},
+    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    # kopf: which resources exist, and in which namespaces.
+    {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["list", "watch"],
+    },
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+]
+
+
+def operator_objects(namespace: str, image: str) -> list[Obj]:
+    """The operator's ServiceAccount, ClusterRole and binding, and its Deployment: one
+    replica, `tandem operator run`, restricted like the brokers."""
+    name = OPERATOR_NAME
+    meta = {"name": name, "labels": {"app.kubernetes.io/name": name}}
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {**meta, "namespace": namespace},
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": meta,
+            "rules": OPERATOR_RULES,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": meta,
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": name,
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {**meta, "namespace": namespace},
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},  # one controller at a time
+                "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
+                "template": {
+                    "metadata": {"labels": {"app.kubernetes.io/name": name}},
+                    "spec": {
+                        "serviceAccountName": name,
+                        "securityContext": {
+                            "runAsNonRoot": True,
+                            "runAsUser": RUN_AS,
+                            "seccompProfile": {"type": "RuntimeDefault"},
+                        },
+                        "containers": [
+                            {
+                                "name": "operator",
+                                "image": image,
+                                "args": ["operator", "run", "--all-namespaces"],
+                                "securityContext": {
+                                    "allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "runAsNonRoot": True,
+                                    "capabilities": {"drop": ["ALL"]},
+                                },
+                                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+                            }
+                        ],
+                        "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    },
+                },
+            },
+        },
+    ]
+
+
+def render(objects: list[Obj], header: str) -> str:
+    return header + "".join(
+        "---\n" + yaml.safe_dump(o, sort_keys=False, width=100) for o in objects
+    )
