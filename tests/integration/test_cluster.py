@@ -247,3 +247,35 @@ def test_members_die_with_the_cluster_process_and_it_starts_again(
         time.sleep(0.05)  # polling for the kernel to end them
     cluster.start()
     assert sorted(drain(cluster, "dq")) == list(range(1, 20, 2))
+
+
+def test_a_front_port_in_use_is_one_line_naming_the_option(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tandem.cli",
+                "cluster",
+                "up",
+                "--amqp-port",
+                str(port),
+                "--admin-port",
+                "0",
+                "--data-dir",
+                str(tmp_path / "c"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 1
+    assert out.stderr.strip() == (
+        f"tandem: cannot start the cluster: cannot listen for clients (the front port) on port "
+        f"{port}: Address already in use; choose another with --amqp-port, or 0 for a free one"
+    )

@@ -29,6 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from tandem.broker.store.lock import DataDirLock
+from tandem.errors import StartError
 from tandem.ha import loop as ha_loop
 from tandem.ha.model import ElectionRecord, Member, Settings
 from tandem.local.election import FileElectionStore
@@ -129,7 +130,12 @@ class LocalCluster:
     async def _run(self, stop: asyncio.Event) -> None:
         key_file = cluster_key(self.data_dir)
         key = key_file.read_text().strip()
-        self.front.bind()
+        try:
+            self.front.bind()
+        except OSError as exc:
+            raise _port_error(
+                "clients (the front port)", "--amqp-port", self.front.port, exc
+            ) from None
         supervisor = Supervisor(self.procs, key_file, self.base_config, self._exited)
         async with aiohttp.ClientSession() as session:
             self.session = session
@@ -150,7 +156,12 @@ class LocalCluster:
                 runner = web.AppRunner(self._app(), access_log=None)
                 await runner.setup()
                 site = web.TCPSite(runner, self.admin_host, self.admin_port)
-                await site.start()
+                try:
+                    await site.start()
+                except OSError as exc:
+                    raise _port_error(
+                        "the admin API", "--admin-port", self.admin_port, exc
+                    ) from None
                 self.admin_port = _bound_port(site, self.admin_port)
                 self._announce()
                 async with asyncio.TaskGroup() as tg:
@@ -299,6 +310,13 @@ class LocalCluster:
             ]
         )
         return app
+
+
+def _port_error(what: str, option: str, port: int, exc: OSError) -> StartError:
+    return StartError(
+        f"cannot listen for {what} on port {port}: {exc.strerror or exc}; choose another "
+        f"with {option}, or 0 for a free one"
+    )
 
 
 def _bound_port(site: web.TCPSite, default: int) -> int:
