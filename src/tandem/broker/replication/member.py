@@ -71,7 +71,12 @@ class Hooks(Protocol):
 
 
 class RefusedError(Exception):
-    """The other end will not replicate with this one, for the reason given."""
+    """The other end will not replicate with this one, for the reason given; `final` when
+    trying again cannot help (the store belongs to another cluster)."""
+
+    def __init__(self, reason: str, final: bool = False) -> None:
+        super().__init__(reason)
+        self.final = final
 
 
 class State:
@@ -469,8 +474,8 @@ class Member:
             except RefusedError as exc:
                 self.refused = str(exc)
                 log.error("node %s cannot replicate from %s: %s", self.node, primary, exc)
-                if "cluster" in str(exc) and "belongs" in str(exc):
-                    return  # waiting will not help
+                if exc.final:
+                    return
             except (OSError, asyncio.IncompleteReadError, ssl.SSLError, wire.WireError) as exc:
                 log.info("node %s: link to primary %s: %r", self.node, primary, exc)
             except Exception:
@@ -499,7 +504,8 @@ class Member:
             if theirs and mine and theirs != mine:
                 raise RefusedError(
                     f"this node's store belongs to cluster {mine}, the primary {primary} is in "
-                    f"cluster {theirs}; give this node an empty data dir to join"
+                    f"cluster {theirs}; give this node an empty data dir to join",
+                    final=True,
                 )
             nonce = str(challenge.get("nonce", ""))
             answer = {
