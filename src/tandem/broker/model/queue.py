@@ -320,8 +320,9 @@ class Queue:
         if c.no_ack:
             self._forget(msg)
 
-    def get(self) -> Message | None:
-        """basic.get: the next ready message, counted as unacked by the caller's choice."""
+    def get(self, no_ack: bool = False) -> Message | None:
+        """basic.get: the next ready message; with no_ack it is gone at once (the caller
+        settles it), otherwise it awaits its ack and is marked delivered in the log."""
         if self.timed:
             self.expire_head()
         if not self.messages:
@@ -329,7 +330,7 @@ class Queue:
         msg = self.messages.popleft()
         self.bytes -= msg.body_size
         self.delivered += 1
-        if self.replicate == "all" and self.vhost.journal.shipping:
+        if not no_ack and self.replicate == "all" and self.vhost.journal.shipping:
             self.vhost.journal.mark(self, msg)
             self.outstanding[msg.mid] = msg
         return msg

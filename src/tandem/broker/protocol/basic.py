@@ -84,7 +84,7 @@ def get(conn: Connection, ch: Channel, m: commands.Basic.Get) -> None:
     conn.check("read", qname)
     q = conn.find_queue(ch, qname)
     q.touch()  # a get is a use, for x-expires
-    msg = q.get()
+    msg = q.get(m.no_ack)
     if msg is None:
         conn.reply(ch, commands.Basic.GetEmpty())
         return
