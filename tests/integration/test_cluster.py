@@ -22,6 +22,13 @@ from tests.support import LocalCluster
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def tandem(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command line, as a user runs it; the caller checks the exit code."""
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
 def connect(c: LocalCluster) -> pika.BlockingConnection:
     """Through the front port, retrying while a failover holds or drops the connection."""
     deadline = time.monotonic() + 30
@@ -115,43 +122,18 @@ def test_switchover_hands_the_primary_role_over(cluster: LocalCluster) -> None:
     publish(cluster, "wq", range(20))
     before = cluster.cluster()
     target = sorted(set(before["isr"]) - {before["primary"]})[0]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tandem.cli",
-            "cluster",
-            "switchover",
-            "--to",
-            target,
-            "--url",
-            f"http://127.0.0.1:{cluster.admin_port}",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+    out = tandem(
+        "cluster", "switchover", "--to", target, "--url", f"http://127.0.0.1:{cluster.admin_port}"
     )
-    assert f"switching over to {target}" in out.stdout
+    assert out.returncode == 0 and f"switching over to {target}" in out.stdout
     cluster.wait_for(lambda c: c["primary"] == target and c["serving"], "the switchover")
     assert sorted(drain(cluster, "wq")) == list(range(20))
 
 
 def test_cluster_status_prints_the_members(cluster: LocalCluster) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tandem.cli",
-            "cluster",
-            "status",
-            "--url",
-            f"http://127.0.0.1:{cluster.admin_port}",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    lines = out.splitlines()
+    run = tandem("cluster", "status", "--url", f"http://127.0.0.1:{cluster.admin_port}")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
     assert lines[0].startswith(f"primary: {cluster.cluster()['primary']}")
     assert lines[1].split("\t") == [
         "node",
@@ -166,23 +148,15 @@ def test_cluster_status_prints_the_members(cluster: LocalCluster) -> None:
 
 
 def test_a_second_cluster_on_the_same_data_dir_is_refused(cluster: LocalCluster) -> None:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tandem.cli",
-            "cluster",
-            "up",
-            "--amqp-port",
-            "0",
-            "--admin-port",
-            "0",
-            "--data-dir",
-            str(cluster.data_dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    out = tandem(
+        "cluster",
+        "up",
+        "--amqp-port",
+        "0",
+        "--admin-port",
+        "0",
+        "--data-dir",
+        str(cluster.data_dir),
     )
     assert out.returncode == 1
     assert f"data dir {cluster.data_dir} is in use by pid {cluster.proc.pid}" in out.stderr  # type: ignore[union-attr]
@@ -197,11 +171,7 @@ def test_users_made_through_the_cluster_address_survive_a_failover(cluster: Loca
         ["add_user", "carol", "s3cret"],
         ["set_permissions", "-p", "staging", "carol", ".*", ".*", ".*"],
     ):
-        subprocess.run(
-            [sys.executable, "-m", "tandem.cli", "ctl", "--url", url, *line],
-            check=True,
-            capture_output=True,
-        )
+        assert tandem("ctl", "--url", url, *line).returncode == 0
     # A backup refuses changes of its own, naming the primary.
     backup = next(m for m in cluster.cluster()["members"] if m["role"] == "backup")
     req = urllib.request.Request(
@@ -256,23 +226,15 @@ def test_a_front_port_in_use_is_one_line_naming_the_option(tmp_path: Path) -> No
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tandem.cli",
-                "cluster",
-                "up",
-                "--amqp-port",
-                str(port),
-                "--admin-port",
-                "0",
-                "--data-dir",
-                str(tmp_path / "c"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
+        out = tandem(
+            "cluster",
+            "up",
+            "--amqp-port",
+            str(port),
+            "--admin-port",
+            "0",
+            "--data-dir",
+            str(tmp_path / "c"),
         )
     assert out.returncode == 1
     assert out.stderr.strip() == (
