@@ -28,19 +28,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tandem.broker.ha_http import Endpoint, HttpActuator, HttpObserver, WakeableClock
 from tandem.broker.store.lock import DataDirLock
 from tandem.errors import StartError
 from tandem.ha import loop as ha_loop
 from tandem.ha.model import ElectionRecord, Member, Settings
 from tandem.local.election import FileElectionStore
 from tandem.local.front import Front
-from tandem.local.members import (
-    HttpActuator,
-    HttpObserver,
-    Proc,
-    Supervisor,
-    WakeableClock,
-)
+from tandem.local.members import Proc, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +96,7 @@ class LocalCluster:
         isr_min: int | None = None,
         failover_delay: float = 1.0,
         base_config: dict[str, Any] | None = None,
-        link_address: Callable[[Proc], str] | None = None,
+        link_address: Callable[[Endpoint], str] | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.link_address = link_address

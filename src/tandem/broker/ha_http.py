@@ -1,0 +1,200 @@
+"""The HA loop's ports over the members' admin HTTP API, for every controller.
+
+The local cluster and the Kubernetes operator both observe members through `GET /status` and
+command them through `/ha/*` with the cluster key; they differ only in where a member is and
+whether it is known dead (a process exit, a pod's termination). That is the `Endpoint` each
+controller hands in. Liveness is judged as DESIGN asks, on the controller's own clock: a member
+known dead is down at once; otherwise it is up while it answers and silent (for how long)
+while it does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import aiohttp
+
+from tandem.ha.model import ElectionRecord, Liveness, Member, Position, Role
+
+log = logging.getLogger(__name__)
+
+STATUS_TIMEOUT = 0.4  # a poll that takes longer counts as no answer
+COMMAND_TIMEOUT = 2.0
+RENEW_SECONDS = 1.0
+
+
+class Endpoint(Protocol):
+    """One member as its controller knows it."""
+
+    node: str
+    started: float  # when the controller last saw it start, on its monotonic clock
+    last_answer: float  # when it last answered a poll, on the same clock
+    status: dict[str, Any]  # its last /status answer
+
+    @property
+    def alive(self) -> bool:
+        """False once the controller knows it dead (process exited, pod gone)."""
+
+    @property
+    def admin_address(self) -> str | None:
+        """host:port of its admin API; None while unknown."""
+
+    @property
+    def replication_address(self) -> str: ...
+
+    @property
+    def amqp_address(self) -> str: ...
+
+
+class HttpObserver:
+    """Implements ha.ports.Observer over each member's /status."""
+
+    def __init__(
+        self,
+        procs: Mapping[str, Endpoint],
+        session: aiohttp.ClientSession,
+        key: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.procs = procs
+        self.session = session
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.clock = clock
+
+    async def _poll(self, proc: Endpoint) -> None:
+        if not proc.alive or not proc.admin_address:
+            return
+        url = f"http://{proc.admin_address}/status?brief=1"
+        try:
+            async with self.session.get(
+                url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=STATUS_TIMEOUT)
+            ) as resp:
+                if resp.status == 200:
+                    proc.status = await resp.json()
+                    proc.last_answer = self.clock()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            pass
+
+    async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
+        procs = list(self.procs.values())
+        before = {p.node: p.last_answer for p in procs}
+        await asyncio.gather(*(self._poll(p) for p in procs))
+        now = self.clock()
+        primary = self.procs.get(record.holder or "")
+        report: dict[str, Any] = {}
+        if primary is not None and primary.last_answer != before.get(primary.node):
+            report = primary.status.get("members") or {}
+        members = []
+        for p in procs:
+            if not p.alive:
+                members.append(Member(p.node, Liveness.DOWN))
+                continue
+            answered = p.last_answer != before[p.node]
+            if not answered:
+                since = max(p.last_answer, p.started)
+                members.append(Member(p.node, Liveness.SILENT, silent_for=now - since))
+                continue
+            s = p.status
+            r = report.get(p.node, {})
+            members.append(
+                Member(
+                    p.node,
+                    Liveness.UP,
+                    Role(s["role"]) if s.get("role") in ("primary", "backup") else Role.BACKUP,
+                    int(s.get("epoch", 0)),
+                    Position(int(s.get("last_epoch", 0)), int(s.get("position", 0))),
+                    following=s.get("following"),
+                    caught_up=bool(r.get("caught_up")),
+                    waited=bool(r.get("waited")),
+                    applied_version=int(s.get("applied_version", 0)),
+                    lag_records=int(r.get("lag_records", 0)),
+                    lag_seconds=float(r.get("lag_seconds", 0.0)),
+                    whole=bool(s.get("whole", True)),
+                )
+            )
+        return tuple(members)
+
+
+class HttpActuator:
+    """Implements ha.ports.Actuator over each member's /ha/* commands."""
+
+    def __init__(
+        self,
+        procs: Mapping[str, Endpoint],
+        session: aiohttp.ClientSession,
+        key: str,
+        link_address: Callable[[Endpoint], str] | None = None,
+    ) -> None:
+        self.procs = procs
+        self.session = session
+        # Where the others reach a member's replication listener (a proxy may stand there).
+        self.link_address = link_address or (lambda p: p.replication_address)
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.renewed: tuple[int, float] = (-1, 0.0)
+
+    async def _post(self, node: str, command: str, body: dict[str, Any]) -> bool:
+        proc = self.procs.get(node)
+        if proc is None or not proc.alive or not proc.admin_address:
+            return False
+        url = f"http://{proc.admin_address}/ha/{command}"
+        try:
+            async with self.session.post(
+                url,
+                json=body,
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=COMMAND_TIMEOUT),
+            ) as resp:
+                if resp.status != 200:
+                    log.warning("%s %s: %s %s", node, command, resp.status, await resp.text())
+                    return False
+                proc.status.update(await resp.json())
+                return True
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("%s %s: %r", node, command, exc)
+            return False
+
+    async def fence(self, node: str, epoch: int) -> None:
+        await self._post(node, "fence", {"epoch": epoch})
+
+    async def promote(self, node: str, record: ElectionRecord) -> None:
+        await self._post(node, "promote", {"record": record.to_dict()})
+
+    async def follow(self, node: str, primary: str, epoch: int) -> None:
+        p = self.procs[primary]
+        body = {
+            "primary": primary,
+            "epoch": epoch,
+            "address": self.link_address(p),
+            "amqp": p.amqp_address,
+        }
+        await self._post(node, "follow", body)
+
+    async def set_isr(self, primary: str, record: ElectionRecord) -> None:
+        if await self._post(primary, "record", {"record": record.to_dict()}):
+            self.renewed = (record.version, time.monotonic())
+
+    async def renew(self, primary: str, record: ElectionRecord) -> None:
+        version, when = self.renewed
+        if version == record.version and time.monotonic() - when < RENEW_SECONDS:
+            return
+        await self.set_isr(primary, record)
+
+
+class WakeableClock:
+    """Implements ha.ports.Clock; a member's exit cuts the loop's sleep short."""
+
+    def __init__(self) -> None:
+        self.wake = asyncio.Event()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), seconds)
+        self.wake.clear()
