@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -161,6 +162,64 @@ def _cluster_switchover(args: argparse.Namespace) -> int:
         print(f"tandem: cannot reach the cluster at {args.url}: {exc}", file=sys.stderr)
         return 1
     print(f"switching over to {answer['switchover_to']}")
+    return 0
+
+
+def _handover(args: argparse.Namespace) -> int:
+    """A pod's preStop: wait until this member is no longer the primary (the operator
+    switches over to a member in sync when it sees the pod terminating), then let the pod
+    stop. Never fails the hook: at the timeout the pod stops anyway, and the operator fails
+    over as for any lost primary."""
+    headers = {}
+    key_file = Path(args.key_file)
+    if key_file.exists():
+        headers["Authorization"] = f"Bearer {key_file.read_text().strip()}"
+    url = f"http://127.0.0.1:{args.admin_port}/status?brief=1"
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(
+                urllib.request.Request(url, headers=headers), timeout=2
+            ) as r:
+                role = json.loads(r.read()).get("role")
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            print(f"tandem handover: the node does not answer ({exc}); stopping", flush=True)
+            return 0
+        if role != "primary":
+            print(f"tandem handover: this node is {role}; stopping", flush=True)
+            return 0
+        time.sleep(0.2)  # polling a local endpoint; the operator moves the role meanwhile
+    print(f"tandem handover: still primary after {args.timeout} s; stopping", flush=True)
+    return 0
+
+
+def _operator_run(args: argparse.Namespace) -> int:
+    try:
+        import kopf
+
+        from tandem.operator import handlers, kube
+    except ImportError as exc:
+        print(
+            f"tandem: the operator needs {exc.name}: python3 -m pip install -e '.[operator]'",
+            file=sys.stderr,
+        )
+        return 1
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        kube.load_config()
+    except Exception as exc:  # the client raises several kinds for a missing or bad config
+        print(f"tandem: no Kubernetes API to talk to: {exc}", file=sys.stderr)
+        return 1
+    assert handlers.reconcile is not None  # importing the module registered the handlers
+    kopf.run(
+        standalone=True,  # one operator replica; the Deployment runs exactly one
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace or (),
+        liveness_endpoint=args.liveness,
+    )
     return 0
 
 
@@ -400,6 +459,15 @@ def parser() -> argparse.ArgumentParser:
 
     op = sub.add_parser("operator", help="the Kubernetes operator's pieces (docs: issue 6)")
     osub = op.add_subparsers(dest="operator_command", required=True)
+    run = osub.add_parser("run", help="run the operator (in a cluster, or on a kubeconfig)")
+    where = run.add_mutually_exclusive_group(required=True)
+    where.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
+    where.add_argument("--namespace", action="append", help="watch this namespace (repeatable)")
+    run.add_argument(
+        "--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz"
+    )
+    run.add_argument("--log-level", default="info")
+    run.set_defaults(func=_operator_run)
     crd_cmd = osub.add_parser("crd", help="print the BrokerCluster CRD (crds/brokercluster.yaml)")
     crd_cmd.set_defaults(func=_operator_crd)
     man = osub.add_parser(
@@ -408,6 +476,15 @@ def parser() -> argparse.ArgumentParser:
     man.add_argument("--namespace", default="tandem-system")
     man.add_argument("--image", default="tandem:dev")
     man.set_defaults(func=_operator_manifests)
+
+    h = sub.add_parser(
+        "handover",
+        help="a primary pod's preStop: wait until the primary role has moved elsewhere",
+    )
+    h.add_argument("--admin-port", type=_port, default=15672)
+    h.add_argument("--key-file", default="/etc/tandem/cluster/key", help="the cluster key")
+    h.add_argument("--timeout", type=float, default=25.0, help="seconds to wait at most")
+    h.set_defaults(func=_handover)
 
     c = sub.add_parser(
         "ctl",

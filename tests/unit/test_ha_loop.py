@@ -193,3 +193,16 @@ def test_an_unexpected_error_is_logged_and_the_loop_goes_on(
     assert BUG in caplog.text and "observer broke" in caplog.text
     assert ("renew", "a") in cluster.calls  # the turns after the error went on
     assert c.clock.monotonic() == pytest.approx(0.3)  # it slept between turns, on its clock
+
+
+def test_a_paused_controller_decides_but_fails_nobody_over() -> None:
+    store, cluster = healthy()
+    cluster._set("a", liveness=Liveness.DOWN)
+    c = controller(store, cluster)
+    c.paused = True
+    for _ in range(3):
+        assert asyncio.run(c.turn()).action is Action.FENCE
+    assert cluster.calls == [] and store.record.holder == "a" and store.record.version == 7
+    c.paused = False
+    asyncio.run(turns_until_hold(c))
+    assert store.record.holder == "b"

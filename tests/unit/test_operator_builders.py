@@ -168,3 +168,19 @@ def test_the_operator_may_touch_only_what_it_manages() -> None:
     assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in rules)
     pods = next(r for r in rules if r["resources"] == ["pods"])
     assert set(pods["verbs"]) == {"get", "list", "watch", "patch"}  # labels, never delete
+
+
+def test_tls_and_users_secrets_reach_the_members() -> None:
+    spec = sample().model_copy(update={"tls_secret": "demo-tls", "users_secret": "demo-users"})
+    settings = builders.member_settings(spec)
+    assert settings["tls_port"] == builders.AMQPS_PORT
+    assert settings["tls_certfile"].startswith(builders.TLS_DIR)
+    assert settings["definitions"] == f"{builders.USERS_DIR}/definitions.json"
+    pod = builders.stateful_set("demo", "ns", spec)["spec"]["template"]["spec"]
+    secrets = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    assert {"demo-tls", "demo-users"} <= secrets
+    mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert {builders.TLS_DIR, builders.USERS_DIR} <= mounts
+    service = builders.client_service("demo", "ns", spec)
+    assert {"name": "amqps", "port": 5671, "targetPort": "amqps"} in service["spec"]["ports"]
+    kubernetes_validate.validate(builders.stateful_set("demo", "ns", spec), K8S, strict=True)

@@ -38,6 +38,9 @@ class Controller:
     settings: Settings
     poll_interval: float = 0.1
     switchover_to: str | None = None  # set by `cluster switchover`; cleared once done
+    # Paused (maintenance): decisions are made and logged, the record is renewed and the ISR
+    # kept, but no member is fenced, promoted or repointed.
+    paused: bool = False
     last: Decision | None = None
 
     async def turn(self) -> Decision:
@@ -56,8 +59,12 @@ class Controller:
                 decision.action.value,
                 decision.reason,
             )
+        held = self.paused and decision.action in (Action.FENCE, Action.PROMOTE, Action.FOLLOW)
+        if held and decision != self.last:
+            log.warning("cluster=%s is paused: not acting on it", self.cluster)
         self.last = decision
-        await self._act(record, decision, view)
+        if not held:
+            await self._act(record, decision, view)
         return decision
 
     async def _act(self, record: ElectionRecord, d: Decision, view: View) -> None:

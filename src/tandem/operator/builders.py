@@ -26,9 +26,13 @@ from tandem.operator.spec import BrokerClusterSpec
 AMQP_PORT = 5672
 ADMIN_PORT = 15672
 REPLICATION_PORT = 5673
+AMQPS_PORT = 5671
 DATA_DIR = "/var/lib/tandem"
 CONFIG_DIR = "/etc/tandem"
 KEY_DIR = "/etc/tandem/cluster"
+TLS_DIR = "/etc/tandem/tls"  # a kubernetes.io/tls Secret: tls.crt, tls.key
+USERS_DIR = "/etc/tandem/users"  # a Secret holding definitions.json (RabbitMQ's export format)
+HANDOVER_SECONDS = 25  # the preStop waits this long at most for the primary role to move
 RUN_AS = 10001
 ROLE_LABEL = "tandem.dev/role"
 OPERATOR_NAME = "tandem-operator"
@@ -81,14 +85,19 @@ def client_service(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
         "spec": {
             "type": spec.service.type,
             "selector": {**selector(name), ROLE_LABEL: "primary"},
-            "ports": [{"name": "amqp", "port": AMQP_PORT, "targetPort": "amqp"}],
+            "ports": [{"name": "amqp", "port": AMQP_PORT, "targetPort": "amqp"}]
+            + (
+                [{"name": "amqps", "port": AMQPS_PORT, "targetPort": "amqps"}]
+                if spec.tls_secret
+                else []
+            ),
         },
     }
 
 
 def member_settings(spec: BrokerClusterSpec) -> Obj:
     """Each member's tandem.yaml (the node id comes from the pod name)."""
-    return {
+    settings: Obj = {
         "host": "0.0.0.0",
         "admin_host": "0.0.0.0",
         "amqp_port": AMQP_PORT,
@@ -101,6 +110,15 @@ def member_settings(spec: BrokerClusterSpec) -> Obj:
         "default_replicate": spec.replication.default,
         "lease_seconds": spec.failover.lease_seconds,
     }
+    if spec.tls_secret:
+        settings.update(
+            tls_port=AMQPS_PORT,
+            tls_certfile=f"{TLS_DIR}/tls.crt",
+            tls_keyfile=f"{TLS_DIR}/tls.key",
+        )
+    if spec.users_secret:
+        settings["definitions"] = f"{USERS_DIR}/definitions.json"
+    return settings
 
 
 def config_map(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
@@ -133,6 +151,22 @@ def stateful_set(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
             {"name": "admin", "containerPort": ADMIN_PORT},
             {"name": "replication", "containerPort": REPLICATION_PORT},
         ],
+        # The primary's pod, told to stop, waits until the operator has moved the primary
+        # role to a member in sync (a switchover: nothing confirmed is lost, clients move once).
+        "lifecycle": {
+            "preStop": {
+                "exec": {
+                    "command": [
+                        "tandem",
+                        "handover",
+                        "--admin-port",
+                        str(ADMIN_PORT),
+                        "--timeout",
+                        str(HANDOVER_SECONDS),
+                    ]
+                }
+            }
+        },
         "readinessProbe": {"httpGet": {"path": "/ready", "port": "admin"}, "periodSeconds": 2},
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": "admin"},
@@ -152,6 +186,20 @@ def stateful_set(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+    volumes: list[Obj] = [
+        {"name": "config", "configMap": {"name": f"{name}-config"}},
+        {"name": "cluster-key", "secret": {"secretName": f"{name}-cluster-key"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if spec.tls_secret:
+        container["ports"].append({"name": "amqps", "containerPort": AMQPS_PORT})
+        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": spec.tls_secret}})
+    if spec.users_secret:
+        container["volumeMounts"].append(
+            {"name": "users", "mountPath": USERS_DIR, "readOnly": True}
+        )
+        volumes.append({"name": "users", "secret": {"secretName": spec.users_secret}})
     resources = spec.resources.model_dump(exclude_defaults=True)
     if resources:
         container["resources"] = resources
@@ -175,13 +223,9 @@ def stateful_set(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
                 "fsGroup": RUN_AS,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
-            "terminationGracePeriodSeconds": 30,
+            "terminationGracePeriodSeconds": HANDOVER_SECONDS + 5,
             "containers": [container],
-            "volumes": [
-                {"name": "config", "configMap": {"name": f"{name}-config"}},
-                {"name": "cluster-key", "secret": {"secretName": f"{name}-cluster-key"}},
-                {"name": "tmp", "emptyDir": {}},
-            ],
+            "volumes": volumes,
         },
     }
     return {
@@ -192,6 +236,9 @@ def stateful_set(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
             "replicas": spec.replicas,
             "serviceName": f"{name}-members",
             "podManagementPolicy": "Parallel",
+            # The operator rolls pods itself: backups first, the primary last after a
+            # switchover, each only once the one before is back in sync.
+            "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": selector(name)},
             "template": merge(template, spec.pod_template),
             "volumeClaimTemplates": [claim],
@@ -327,7 +374,7 @@ OPERATOR_RULES: list[Obj] = [
     {
         "apiGroups": ["coordination.k8s.io"],
         "resources": ["leases"],
-        "verbs": ["get", "create", "update"],
+        "verbs": ["get", "create", "patch"],
     },
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["list", "delete"]},

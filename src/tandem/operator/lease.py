@@ -34,7 +34,8 @@ class LeaseApi(Protocol):
     async def create(self, namespace: str, body: Obj) -> Obj: ...
 
     async def replace(self, name: str, namespace: str, body: Obj) -> Obj:
-        """Raises Conflict when body's metadata.resourceVersion is not the current one."""
+        """Write `body` over the Lease; raises Conflict when body's metadata.resourceVersion
+        is not the current one, or the Lease is gone."""
 
 
 def _names(text: str) -> frozenset[str]:
@@ -92,7 +93,9 @@ class LeaseElectionStore:
                 return stored
             if record_of(lease).version != expected.version:
                 return None
-            body["metadata"]["resourceVersion"] = lease["metadata"]["resourceVersion"]
+            version = lease["metadata"].get("resourceVersion")
+            if version:  # the API server refuses the write if anyone wrote since
+                body["metadata"]["resourceVersion"] = version
             await self.api.replace(self.name, self.namespace, body)
         except Conflict:
             return None  # another writer got there between our read and our write

@@ -1,0 +1,178 @@
+"""The kopf handlers of `tandem operator run`: thin, over the pure builders.
+
+- create, resume, update of a BrokerCluster: build every object from the typed spec and apply
+  it (the cluster-key Secret only once: a key is never replaced); a scale-down first takes
+  the leaving members out of the ISR (and the primary role off them);
+- a daemon per BrokerCluster runs its failover loop (`members.ClusterLoop`) on the Lease;
+- the pod watch hands every member pod's change to its cluster's loop at once;
+- delete: the finalizer deletes the members' volume claims when the retention says Delete.
+
+Errors in a spec the API server let through (it checks the CRD's schema) end the handler
+with a permanent error and an Event that names the field.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import secrets
+from typing import Any
+
+import aiohttp
+import kopf
+import pydantic
+
+from tandem.broker.ha_http import WakeableClock
+from tandem.operator import builders
+from tandem.operator import spec as spec_mod
+from tandem.operator.kube import Kube
+from tandem.operator.lease import LeaseElectionStore
+from tandem.operator.members import ClusterLoop, Pods
+from tandem.operator.spec import BrokerClusterSpec
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+RESOURCE = (spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL)
+MEMBER_PODS = {"app.kubernetes.io/managed-by": builders.OPERATOR_NAME}
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = "tandem.dev/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="tandem.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="tandem.dev")
+    settings.batching.batch_window = 0.01  # a pod's deletion reaches the loop at once
+    memo.kube = Kube()
+    memo.loops = {}
+
+
+def _nodes(name: str, replicas: int) -> list[str]:
+    return [f"{name}-{i}" for i in range(replicas)]  # the StatefulSet's pod names
+
+
+def _where(name: str | None, namespace: str | None) -> tuple[str, str]:
+    if not name or not namespace:
+        raise kopf.PermanentError("a BrokerCluster is namespaced and named")
+    return name, namespace
+
+
+def _spec(spec: Any) -> BrokerClusterSpec:
+    try:
+        return BrokerClusterSpec.model_validate(dict(spec or {}))
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"spec{''.join(f'.{part}' for part in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise kopf.PermanentError(f"invalid BrokerCluster spec: {problems}") from None
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+async def reconcile(
+    body: kopf.Body,
+    spec: kopf.Spec,
+    name: str | None,
+    namespace: str | None,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    name, namespace = _where(name, namespace)
+    kube: Kube = memo.kube
+    try:
+        parsed = _spec(spec)
+    except kopf.PermanentError as exc:
+        await kube.event(body, "InvalidSpec", str(exc), "Warning")
+        raise
+    objects = [
+        o
+        for o in builders.all_objects(name, namespace, parsed, secrets.token_hex(32))
+        if o["kind"] != "Lease"  # the failover loop writes the Lease, by compare-and-set
+    ]
+    kopf.adopt(objects, owner=body)
+    loop: ClusterLoop | None = memo.loops.get((namespace, name))
+    for obj in objects:
+        if obj["kind"] == "Secret":
+            await kube.ensure(obj)
+        elif obj["kind"] == "StatefulSet":
+            current = await kube.get("apps/v1", "StatefulSet", namespace, name)
+            replicas = int((current or {}).get("spec", {}).get("replicas") or 0)
+            if loop is not None and current is not None and parsed.replicas < replicas:
+                leaving = set(_nodes(name, replicas)) - set(_nodes(name, parsed.replicas))
+                if not await loop.leave(leaving):
+                    raise kopf.TemporaryError(
+                        f"scaling down: waiting for {', '.join(sorted(leaving))} to leave "
+                        "the in-sync set",
+                        delay=1,
+                    )
+            await kube.apply(obj)
+        else:
+            await kube.apply(obj)
+    if loop is not None:
+        loop.resize(_nodes(name, parsed.replicas))
+
+
+async def _cluster_key(kube: Kube, name: str, namespace: str) -> str | None:
+    secret = await kube.get("v1", "Secret", namespace, f"{name}-cluster-key")
+    if secret is None:
+        return None
+    if (secret.get("data") or {}).get("key"):
+        return base64.b64decode(secret["data"]["key"]).decode().strip()
+    return str((secret.get("stringData") or {}).get("key", "")).strip() or None
+
+
+@kopf.daemon(*RESOURCE, cancellation_timeout=5.0)
+async def failover(
+    stopped: kopf.DaemonStopped,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    name: str | None,
+    namespace: str | None,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    name, namespace = _where(name, namespace)
+    parsed = _spec(spec)
+    kube: Kube = memo.kube
+    key = await _cluster_key(kube, name, namespace)
+    if key is None:
+        raise kopf.TemporaryError("the cluster key Secret is not there yet", delay=1)
+    nodes = _nodes(name, parsed.replicas)
+    pods = Pods(nodes, WakeableClock())
+    store = LeaseElectionStore(kube, name, namespace, nodes)
+    async with aiohttp.ClientSession() as session:
+        loop = ClusterLoop(kube, body, parsed, store, pods, session, key)
+        memo.loops[(namespace, name)] = loop
+        try:
+            for pod in await kube.list("v1", "Pod", namespace, builders.selector(name)):
+                pods.seen("ADDED", pod)
+            await loop.run(stopped)
+        finally:
+            memo.loops.pop((namespace, name), None)
+
+
+@kopf.on.event("", "v1", "pods", labels=MEMBER_PODS)
+async def pod_changed(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    obj = event["object"]
+    meta = obj.get("metadata") or {}
+    cluster = (meta.get("labels") or {}).get("app.kubernetes.io/instance")
+    loop: ClusterLoop | None = memo.loops.get((meta.get("namespace"), cluster))
+    if loop is not None:
+        loop.pods.seen(event.get("type") or "ADDED", obj)
+
+
+@kopf.on.delete(*RESOURCE)
+async def deleted(
+    spec: kopf.Spec, name: str | None, namespace: str | None, memo: kopf.Memo, **_: Any
+) -> None:
+    name, namespace = _where(name, namespace)
+    retention = (spec.get("storage") or {}).get("retention", "Retain")
+    if retention != "Delete":
+        log.info("%s/%s deleted; its volume claims are kept (retention Retain)", namespace, name)
+        return
+    kube: Kube = memo.kube
+    claims = await kube.list("v1", "PersistentVolumeClaim", namespace, builders.selector(name))
+    for claim in claims:
+        await kube.delete("v1", "PersistentVolumeClaim", namespace, claim["metadata"]["name"])
+        log.info("%s/%s deleted its volume claim %s", namespace, name, claim["metadata"]["name"])

@@ -1,0 +1,342 @@
+"""One BrokerCluster's failover on Kubernetes: the `tandem.ha` loop through pod adapters.
+
+The pods come from the operator's pod watch (`Pods.seen`): a pod deleted, failed or gone is
+down at once, as a process exit is locally; otherwise the shared HTTP observer polls each
+member's /status on the operator's own clock. After every look `ClusterLoop` keeps the world
+in step with the election record (the Lease):
+
+- the role label: off every pod that is not the serving primary first, then onto the one
+  that is, so the client Service never selects two pods;
+- a terminating primary (its preStop is waiting) is switched over to a member in sync;
+- the BrokerCluster's status (phase, primary, epoch, ISR, ready members, last failover) and an
+  Event for each failover, stating the decision's reason.
+
+An operator restarted mid-failover starts from the Lease: the members fenced at the higher
+epoch tell the loop that a failover is under way, and it completes it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from tandem.broker.ha_http import HttpActuator, HttpObserver, WakeableClock
+from tandem.ha import loop as ha_loop
+from tandem.ha.decide import Action
+from tandem.ha.model import ElectionRecord, Member, Settings
+from tandem.operator import builders
+from tandem.operator.spec import BrokerClusterSpec
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+PAUSE_ANNOTATION = "tandem.dev/paused"
+
+
+@dataclass(slots=True)
+class Pod:
+    """A member as its pod last showed it. Implements broker.ha_http.Endpoint."""
+
+    node: str
+    ip: str | None = None
+    ports: dict[str, int] = field(default_factory=dict)
+    running: bool = False
+    terminating: bool = False
+    labelled: bool = False  # carries the role label (the client Service selects it)
+    uid: str = ""
+    started: float = 0.0
+    last_answer: float = 0.0
+    status: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def alive(self) -> bool:
+        return self.running and self.ip is not None
+
+    def _at(self, port: str, default: int) -> str:
+        return f"{self.ip}:{self.ports.get(port, default)}"
+
+    @property
+    def admin_address(self) -> str | None:
+        return self._at("admin", builders.ADMIN_PORT) if self.ip else None
+
+    @property
+    def replication_address(self) -> str:
+        return self._at("replication", builders.REPLICATION_PORT)
+
+    @property
+    def amqp_address(self) -> str:
+        return self._at("amqp", builders.AMQP_PORT)
+
+
+def _running(obj: Mapping[str, Any]) -> bool:
+    status = obj.get("status") or {}
+    if status.get("phase") != "Running":
+        return False
+    for c in status.get("containerStatuses") or []:
+        if c.get("name") == "tandem" and "running" not in (c.get("state") or {}):
+            return False
+    return True
+
+
+class Pods:
+    """The cluster's member pods, kept by the operator's pod watch."""
+
+    def __init__(self, nodes: list[str], clock: WakeableClock) -> None:
+        self.clock = clock
+        self.by_node: dict[str, Pod] = {n: Pod(n) for n in nodes}
+
+    def resize(self, nodes: list[str]) -> None:
+        """In place: the HTTP ports hold this very mapping."""
+        for gone in set(self.by_node) - set(nodes):
+            del self.by_node[gone]
+        for n in nodes:
+            self.by_node.setdefault(n, Pod(n))
+
+    def seen(self, event_type: str, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        pod = self.by_node.get(meta.get("name", ""))
+        if pod is None:
+            return
+        was_alive = pod.alive
+        if event_type == "DELETED":
+            pod.running, pod.ip, pod.terminating, pod.labelled = False, None, False, False
+        else:
+            ports = {
+                p["name"]: int(p["containerPort"])
+                for c in (obj.get("spec") or {}).get("containers") or []
+                for p in c.get("ports") or []
+                if "name" in p and "containerPort" in p
+            }
+            pod.uid = meta.get("uid", "")
+            pod.ip = (obj.get("status") or {}).get("podIP") or None
+            pod.ports = ports
+            pod.running = _running(obj)
+            pod.terminating = bool(meta.get("deletionTimestamp"))
+            pod.labelled = (meta.get("labels") or {}).get(builders.ROLE_LABEL) == "primary"
+        if pod.alive and not was_alive:
+            pod.started = self.clock.monotonic()
+            pod.status = {}
+        if pod.alive != was_alive or pod.terminating:
+            self.clock.wake.set()  # the loop looks again at once
+
+
+class PodApi(Protocol):
+    """What the loop needs of the Kubernetes API (implemented by `kube.Kube`)."""
+
+    async def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: Obj,
+        subresource: str | None = None,
+    ) -> Obj | None: ...
+
+    async def event(
+        self, involved: Mapping[str, Any], reason: str, message: str, type_: str = "Normal"
+    ) -> None: ...
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class ClusterLoop:
+    """The HA loop of one BrokerCluster and what keeps Kubernetes in step with it."""
+
+    def __init__(
+        self,
+        api: PodApi,
+        body: Mapping[str, Any],
+        spec: BrokerClusterSpec,
+        store: Any,
+        pods: Pods,
+        session: Any,
+        key: str,
+    ) -> None:
+        meta = body["metadata"]
+        self.body = body  # kopf keeps it live: annotations changed later show here
+        self.store = store
+        self.api, self.name, self.namespace = api, meta["name"], meta["namespace"]
+        self.owner = {
+            "apiVersion": body["apiVersion"],
+            "kind": body["kind"],
+            "metadata": {"name": self.name, "namespace": self.namespace, "uid": meta.get("uid")},
+        }
+        self.pods = pods
+        self.published: Obj = {}
+        self.down_since: float | None = None  # when the primary was last seen not serving
+        self.cause: str | None = None  # the reason of the first decision after that
+        self.serving: str | None = None
+        settings = Settings(failover_delay=spec.failover.delay_seconds, isr_min=spec.isr_min)
+        observer = HttpObserver(pods.by_node, session, key)
+        self.actuator = actuator = HttpActuator(pods.by_node, session, key)
+        self.controller = ha_loop.Controller(
+            f"{self.namespace}/{self.name}",
+            store,
+            _Watching(self, observer),
+            actuator,
+            pods.clock,
+            settings,
+            poll_interval=spec.failover.poll_seconds,
+        )
+
+    async def after_look(self, record: ElectionRecord, members: tuple[Member, ...]) -> None:
+        """Called by the observer after every look, before the decision."""
+        notes = (self.body.get("metadata") or {}).get("annotations") or {}
+        self.controller.paused = notes.get(PAUSE_ANNOTATION, "").lower() == "true"
+        holder = self.pods.by_node.get(record.holder or "")
+        live = {m.node: m for m in members}
+        m = live.get(record.holder or "")
+        serving = (
+            holder is not None
+            and m is not None
+            and m.answering
+            and holder.status.get("role") == "primary"
+            and m.epoch == record.epoch
+        )
+        await self._label(holder.node if serving and holder is not None else None)
+        now = self.pods.clock.monotonic()
+        if serving and holder is not None:
+            if self.serving is not None and self.serving != holder.node:
+                await self._failed_over(self.serving, holder.node, record, now)
+            elif self.serving is None and self.down_since is not None and record.epoch > 1:
+                await self._failed_over(None, holder.node, record, now)
+            self.serving, self.down_since, self.cause = holder.node, None, None
+            if holder.terminating and self.controller.switchover_to is None:
+                self._hand_over(record, live)
+        elif self.down_since is None:
+            self.down_since = now
+        elif (
+            self.cause is None
+            and self.controller.last is not None
+            and self.controller.last.action in (Action.FENCE, Action.PROMOTE)
+        ):
+            self.cause = self.controller.last.reason  # what set the failover going
+        await self._publish(record, members, serving)
+
+    async def _label(self, primary: str | None) -> None:
+        # Off every other pod first, then onto the primary: never two pods at once.
+        for pod in self.pods.by_node.values():
+            if pod.labelled and pod.node != primary:
+                await self._set_label(pod, None)
+        target = self.pods.by_node.get(primary or "")
+        if target is not None and not target.labelled:
+            await self._set_label(target, "primary")
+
+    async def _set_label(self, pod: Pod, value: str | None) -> None:
+        body = {"metadata": {"labels": {builders.ROLE_LABEL: value}}}
+        found = await self.api.patch("v1", "Pod", self.namespace, pod.node, body)
+        pod.labelled = value is not None and found is not None
+        log.info(
+            "cluster=%s/%s role label %s %s",
+            self.namespace,
+            self.name,
+            "onto" if value else "off",
+            pod.node,
+        )
+
+    def _hand_over(self, record: ElectionRecord, live: dict[str, Member]) -> None:
+        for node in sorted(record.isr - {record.holder or ""}):
+            pod, m = self.pods.by_node.get(node), live.get(node)
+            if pod and not pod.terminating and m is not None and m.answering and m.caught_up:
+                log.info(
+                    "cluster=%s/%s primary %s is terminating; switching over to %s",
+                    self.namespace,
+                    self.name,
+                    record.holder,
+                    node,
+                )
+                self.controller.switchover_to = node
+                return
+
+    async def _failed_over(
+        self, old: str | None, new: str, record: ElectionRecord, now: float
+    ) -> None:
+        last = self.controller.last
+        reason = self.cause or (last.reason if last is not None else "failover")
+        took = now - self.down_since if self.down_since is not None else 0.0
+        self.published["lastFailover"] = {
+            "time": _now(),
+            "from": old,
+            "to": new,
+            "reason": reason,
+            "durationSeconds": round(took, 3),
+        }
+        await self.api.event(
+            self.owner,
+            "Failover",
+            f"{new} is primary at epoch {record.epoch} (was {old or 'none'}): {reason}",
+        )
+
+    async def _publish(
+        self, record: ElectionRecord, members: tuple[Member, ...], serving: bool
+    ) -> None:
+        ready = sum(1 for m in members if m.answering)
+        if self.controller.paused:
+            phase = "Paused"
+        elif not serving:
+            phase = "Failover" if record.holder is not None else "Pending"
+        elif ready < len(members) or len(record.isr) < len(members):
+            phase = "Degraded"
+        else:
+            phase = "Running"
+        status = {
+            **self.published,
+            "phase": phase,
+            "primary": record.holder if serving else None,
+            "epoch": record.epoch,
+            "isr": sorted(record.isr),
+            "readyMembers": ready,
+        }
+        if status != self.published:
+            self.published = status
+            await self.api.patch(
+                "tandem.dev/v1alpha1",
+                "BrokerCluster",
+                self.namespace,
+                self.name,
+                {"status": status},
+                subresource="status",
+            )
+
+    def resize(self, nodes: list[str]) -> None:
+        self.pods.resize(nodes)
+
+    async def leave(self, leaving: set[str]) -> bool:
+        """Scale-down's first step: the leaving members out of the ISR (the record first,
+        then the primary: rule 4), the primary role off them. True once done."""
+        record = await self.store.read()
+        if record.holder in leaving:
+            staying = sorted(record.isr - leaving)
+            if staying and self.controller.switchover_to is None:
+                self.controller.switchover_to = staying[0]
+            return False
+        self.pods.resize([n for n in self.pods.by_node if n not in leaving])
+        if not (record.isr | record.tracking) & leaving:
+            return True
+        new = replace(record, isr=record.isr - leaving, tracking=record.tracking - leaving)
+        stored = await self.store.compare_and_set(record, new)
+        if stored is None or record.holder is None:
+            return False
+        await self.actuator.set_isr(record.holder, stored)
+        return True
+
+    async def run(self, stopped: ha_loop.Stopped) -> None:
+        await self.controller.run(stopped)
+
+
+class _Watching:
+    """The HTTP observer, then `ClusterLoop.after_look`."""
+
+    def __init__(self, loop: ClusterLoop, inner: HttpObserver) -> None:
+        self.loop, self.inner = loop, inner
+
+    async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
+        members = await self.inner.observe(record)
+        await self.loop.after_look(record, members)
+        return members

@@ -1,0 +1,598 @@
+"""The real operator (`tandem operator run`, kopf) against kmock's Kubernetes emulator.
+
+kmock stands in for the API server: it stores objects, serves lists and watch streams, and
+runs no controllers. So this test plays the kubelet: for each member pod of the StatefulSet
+the operator created it starts a real `tandem broker` (with the operator's ConfigMap and
+cluster-key Secret) and posts the Pod, running, with the broker's address. The operator then
+elects, labels, fails over and reports through the API as it would in a cluster.
+
+What a real API server adds (resourceVersion conflicts) is covered against a fake that
+refuses stale writes (tests/unit/test_operator_lease.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import kmock
+import pytest
+import pytest_asyncio
+import yaml
+
+from tandem.operator import builders
+from tests.support import BUG_PHRASE, Broker
+
+NS = "test"
+BC_PATH = f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/brokerclusters"
+PODS_PATH = f"/api/v1/namespaces/{NS}/pods"
+LEASE_PATH = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases"
+ROLE = builders.ROLE_LABEL
+
+RESOURCES = {
+    "tandem.dev/v1alpha1/brokerclusters": ("BrokerCluster", {"status"}),
+    "v1/pods": ("Pod", set()),
+    "v1/secrets": ("Secret", set()),
+    "v1/configmaps": ("ConfigMap", set()),
+    "v1/services": ("Service", set()),
+    "v1/events": ("Event", set()),
+    "v1/persistentvolumeclaims": ("PersistentVolumeClaim", set()),
+    "apps/v1/statefulsets": ("StatefulSet", set()),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", set()),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", set()),
+    "coordination.k8s.io/v1/leases": ("Lease", set()),
+}
+CLUSTER_RESOURCES = {  # kopf's discovery waits for these before it watches anything
+    "v1/namespaces": "Namespace",
+    "apiextensions.k8s.io/v1/customresourcedefinitions": "CustomResourceDefinition",
+}
+POD_LOCAL = {
+    "host",
+    "admin_host",
+    "replication_host",
+    "amqp_port",
+    "admin_port",
+    "replication_port",
+    "data_dir",
+    "cluster_key_file",
+}
+VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
+
+
+class Api:
+    """The test's own client of the emulator: JSON calls and watch streams."""
+
+    def __init__(self, emulator: kmock.KubernetesEmulator) -> None:
+        self.emulator = emulator
+
+    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        headers = {"Content-Type": "application/merge-patch+json"} if method == "PATCH" else {}
+        async with self.emulator.request(method, path, json=body, headers=headers) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    async def get(self, path: str) -> Any:
+        status, body = await self.call("GET", path)
+        return body if status == 200 else None
+
+    async def until(
+        self, path: str, ok: Callable[[dict[str, Any]], bool], what: str, timeout: float = 30
+    ) -> dict[str, Any]:
+        """The first object (listed, then watched) at `path` for which `ok` holds."""
+
+        async def watch() -> dict[str, Any]:
+            async with self.emulator.request("GET", f"{path}?watch=true") as resp:
+                async for line in resp.content:
+                    if line.strip():
+                        event = json.loads(line)
+                        if event.get("type") != "DELETED" and ok(event["object"]):
+                            return event["object"]  # type: ignore[no-any-return]
+            raise AssertionError(f"the watch of {path} ended")
+
+        try:
+            return await asyncio.wait_for(watch(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"no {what} within {timeout} s") from None
+
+
+class Labels:
+    """Every pod event from the start, and which pods carried the role label when."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.labelled: set[str] = set()
+        self.most_at_once = 0
+        self.onto: list[tuple[float, str]] = []  # (monotonic time, pod) the label reached
+        self.task: asyncio.Task[None] | None = None
+
+    async def _watch(self) -> None:
+        async with self.api.emulator.request("GET", f"{PODS_PATH}?watch=true") as resp:
+            async for line in resp.content:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                obj = event["object"]
+                name = obj["metadata"]["name"]
+                has = (obj["metadata"].get("labels") or {}).get(ROLE) == "primary"
+                if has and event["type"] != "DELETED":
+                    if name not in self.labelled:
+                        self.onto.append((time.monotonic(), name))
+                    self.labelled.add(name)
+                else:
+                    self.labelled.discard(name)
+                self.most_at_once = max(self.most_at_once, len(self.labelled))
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._watch())
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+class Kubelet:
+    """Runs each member pod the StatefulSet asks for as a real broker, and posts the Pod."""
+
+    def __init__(self, api: Api, tmp: Path, name: str) -> None:
+        self.api, self.tmp, self.name = api, tmp, name
+        self.brokers: dict[str, Broker] = {}
+
+    async def settings(self) -> tuple[dict[str, Any], str, dict[str, Any]]:
+        cm = await self.api.get(f"/api/v1/namespaces/{NS}/configmaps/{self.name}-config")
+        secret = await self.api.get(f"/api/v1/namespaces/{NS}/secrets/{self.name}-cluster-key")
+        sts = await self.api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/{self.name}")
+        assert cm and secret and sts, "the operator has not created the members' objects"
+        key = (
+            secret.get("stringData", {}).get("key")
+            or base64.b64decode(secret["data"]["key"]).decode()
+        )
+        return yaml.safe_load(cm["data"]["tandem.yaml"]), key, sts
+
+    async def run_pod(self, index: int) -> Broker:
+        settings, key, sts = await self.settings()
+        node = f"{self.name}-{index}"
+        key_file = self.tmp / "cluster.key"
+        key_file.write_text(key)
+        # The pod's settings, but this machine's addresses, ports and paths.
+        config = {k: v for k, v in settings.items() if k not in POD_LOCAL}
+        config.update(cluster_key_file=str(key_file), replication_port=0)
+        broker = self.brokers.get(node) or Broker(self.tmp / node, config, node_id=node)
+        self.brokers[node] = broker
+        await asyncio.to_thread(broker.start)
+        template = sts["spec"]["template"]
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": node,
+                "namespace": NS,
+                "uid": f"{node}-{broker.starts}",
+                "labels": dict(template["metadata"]["labels"]),
+            },
+            "spec": {
+                "containers": [
+                    {
+                        "name": "tandem",
+                        "ports": [
+                            {"name": "amqp", "containerPort": broker.amqp_port},
+                            {"name": "admin", "containerPort": broker.admin_port},
+                            {"name": "replication", "containerPort": broker.replication_port},
+                        ],
+                    }
+                ]
+            },
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "containerStatuses": [{"name": "tandem", "state": {"running": {}}}],
+            },
+        }
+        status, body = await self.api.call("POST", PODS_PATH, pod)
+        assert status in (200, 201), body
+        return broker
+
+    async def lose_pod(self, node: str) -> float:
+        """The member's process dies and its pod is deleted; returns when the API took it."""
+        broker = self.brokers[node]
+        if broker.proc is not None:
+            await asyncio.to_thread(broker.kill)
+        status, body = await self.api.call("DELETE", f"{PODS_PATH}/{node}")
+        assert status == 200, body
+        return time.monotonic()
+
+    def stop(self) -> str:
+        logs = ""
+        for b in self.brokers.values():
+            if b.proc is not None:
+                b.stop()
+            logs += b.log()
+        return logs
+
+
+class Operator:
+    def __init__(self, tmp: Path, url: str) -> None:
+        self.kubeconfig = tmp / "kubeconfig"
+        self.kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "kmock", "cluster": {"server": url}}],
+                    "users": [{"name": "test", "user": {"token": "test"}}],
+                    "contexts": [
+                        {"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}
+                    ],
+                    "current-context": "kmock",
+                }
+            )
+        )
+        self.log_path = tmp / "operator.log"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "operator",
+            "run",
+            "--all-namespaces",  # as deploy/operator.yaml runs it
+            env=env,
+            stdout=log,
+            stderr=log,
+        )
+
+    async def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        await self.proc.wait()
+        self.proc = None
+
+    async def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), 20)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+            self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def brokercluster(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "BrokerCluster",
+        "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}"},
+        "spec": {"replicas": 3, "failover": {"pollSeconds": 0.1}, **spec},
+    }
+
+
+@pytest_asyncio.fixture
+async def world(
+    kmock: kmock.KubernetesEmulator, tmp_path: Path
+) -> AsyncIterator[tuple[Api, Operator, Labels]]:
+    for resource, (kind, subresources) in RESOURCES.items():
+        kmock.resources[resource] = kmock.ResourceInfo(
+            kind=kind, namespaced=True, verbs=VERBS, subresources=subresources
+        )
+    for resource, kind in CLUSTER_RESOURCES.items():
+        kmock.resources[resource] = kmock.ResourceInfo(kind=kind, namespaced=False, verbs=VERBS)
+    api = Api(kmock)
+    labels = Labels(api)
+    labels.start()
+    operator = Operator(tmp_path, str(kmock.url).rstrip("/"))
+    await operator.start()
+    yield api, operator, labels
+    labels.stop()
+    await operator.stop()
+    assert BUG_PHRASE not in operator.log(), operator.log()
+    # Everything the operator asked of the API, its ClusterRole allows (least privilege
+    # that is still enough: a missing verb would fail in a real cluster, not here).
+    denied = {
+        f"{verb} {plural} ({group or 'core'})"
+        for request in kmock
+        if request.headers.get("User-Agent", "").startswith(OPERATOR_AGENTS)
+        and request.resource is not None
+        and request.resource.plural
+        for verb, group, plural in [_verb_of(request)]
+        if not _allowed(verb, group, plural)
+    }
+    assert not denied, f"the operator's ClusterRole lacks {sorted(denied)}"
+
+
+OPERATOR_AGENTS = ("kopf/", "OpenAPI-Generator/")  # kopf's and the kubernetes client's
+
+
+def _verb_of(request: kmock.Request) -> tuple[str, str, str]:
+    assert request.resource is not None
+    action = request.action.value.lower() if request.action is not None else ""
+    verb = {"fetch": "get", "update": "patch" if request.method.value == "PATCH" else "update"}
+    plural = request.resource.plural or ""
+    if request.subresource:
+        plural = f"{plural}/{request.subresource}"
+    return verb.get(action, action), request.resource.group or "", plural
+
+
+def _allowed(verb: str, group: str, plural: str) -> bool:
+    return any(
+        group in rule["apiGroups"] and plural in rule["resources"] and verb in rule["verbs"]
+        for rule in builders.OPERATOR_RULES
+    )
+
+
+async def up(api: Api, tmp: Path, name: str, **spec: Any) -> Kubelet:
+    status, body = await api.call("POST", BC_PATH, brokercluster(name, **spec))
+    assert status in (200, 201), body
+    await api.until(f"/apis/apps/v1/namespaces/{NS}/statefulsets", lambda o: True, "StatefulSet")
+    kubelet = Kubelet(api, tmp, name)
+    for i in range(3):
+        await kubelet.run_pod(i)
+    await api.until(
+        BC_PATH,
+        lambda o: (o.get("status") or {}).get("phase") == "Running",
+        "BrokerCluster Running",
+    )
+    return kubelet
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_the_operator_creates_the_cluster_and_fails_over(
+    world: tuple[Api, Operator, Labels], tmp_path: Path
+) -> None:
+    api, _, labels = world
+    kubelet = await up(api, tmp_path, "demo")
+    try:
+        # Every object the builders describe is there, owned by the BrokerCluster.
+        for path in (
+            f"/api/v1/namespaces/{NS}/services/demo",
+            f"/api/v1/namespaces/{NS}/services/demo-members",
+            f"/api/v1/namespaces/{NS}/configmaps/demo-config",
+            f"/api/v1/namespaces/{NS}/secrets/demo-cluster-key",
+            f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo",
+            f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/demo",
+            f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/demo",
+            f"{LEASE_PATH}/demo",
+        ):
+            obj = await api.get(path)
+            assert obj is not None, f"{path} was not created"
+            if "leases" not in path:
+                owners = obj["metadata"].get("ownerReferences") or []
+                assert [o["name"] for o in owners] == ["demo"], path
+        bc = await api.get(f"{BC_PATH}/demo")
+        lease = await api.get(f"{LEASE_PATH}/demo")
+        primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
+        assert lease["spec"]["holderIdentity"] == primary
+        assert int(lease["spec"]["leaseTransitions"]) == epoch
+        assert sorted(bc["status"]["isr"]) == ["demo-0", "demo-1", "demo-2"]
+        assert bc["status"]["readyMembers"] == 3
+        assert labels.labelled == {primary}
+
+        # The primary's pod goes: the label moves to another member within half a second.
+        moves = len(labels.onto)
+        deleted_at = await kubelet.lose_pod(primary)
+        bc = await api.until(
+            BC_PATH,
+            lambda o: (
+                (o.get("status") or {}).get("epoch") == epoch + 1
+                and (o["status"].get("lastFailover") or {}).get("to") not in (None, primary)
+            ),
+            "a failover in the status",
+        )
+        new = bc["status"]["primary"]
+        assert new != primary and new in ("demo-0", "demo-1", "demo-2")
+        labelled_at, onto = next(m for m in labels.onto[moves:])
+        assert onto == new
+        took = labelled_at - deleted_at
+        print(f"role label moved {primary} -> {new} {took * 1000:.0f} ms after the deletion")
+        assert took < 0.5, f"the label moved {took:.3f} s after the primary pod's deletion"
+        assert labels.most_at_once == 1, "two pods carried the role label at once"
+        failover = bc["status"]["lastFailover"]
+        assert failover["from"] == primary and "down" in failover["reason"]
+        lease = await api.get(f"{LEASE_PATH}/demo")
+        assert lease["spec"]["holderIdentity"] == new
+        assert int(lease["spec"]["leaseTransitions"]) == epoch + 1
+        events = (await api.get(f"/api/v1/namespaces/{NS}/events"))["items"]
+        said = [e["message"] for e in events if e.get("reason") == "Failover"]
+        assert any(new in m and primary in m for m in said), said
+
+        # The member comes back (the StatefulSet recreates the pod) and rejoins the ISR.
+        await kubelet.run_pod(int(primary.rsplit("-", 1)[1]))
+        await api.until(
+            BC_PATH,
+            lambda o: len((o.get("status") or {}).get("isr") or []) == 3,
+            "the returned member back in the ISR",
+        )
+        assert labels.labelled == {new}
+    finally:
+        assert BUG_PHRASE not in kubelet.stop()
+
+
+async def _fence(broker: Broker, key: str, epoch: int) -> None:
+    status, body = await asyncio.to_thread(broker.http, "POST", "/ha/fence", {"epoch": epoch}, key)
+    assert status == 200, body
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_an_operator_restarted_mid_failover_completes_it(
+    world: tuple[Api, Operator, Labels], tmp_path: Path
+) -> None:
+    api, operator, labels = world
+    kubelet = await up(api, tmp_path, "demo")
+    try:
+        bc = await api.get(f"{BC_PATH}/demo")
+        primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
+        # The operator dies after the first step of a failover: it fenced the backups at the
+        # next epoch (done here as it would have), then the primary's pod went.
+        await operator.kill()
+        _, key, _ = await kubelet.settings()
+        backups = [n for n in kubelet.brokers if n != primary]
+        for node in backups:
+            await _fence(kubelet.brokers[node], key, epoch + 1)
+        await kubelet.lose_pod(primary)
+        await operator.start()
+        bc = await api.until(
+            BC_PATH,
+            lambda o: (
+                (o.get("status") or {}).get("primary") in backups
+                and o["status"].get("epoch") == epoch + 1
+            ),
+            "the failover completed by the restarted operator",
+        )
+        lease = await api.get(f"{LEASE_PATH}/demo")
+        assert lease["spec"]["holderIdentity"] == bc["status"]["primary"]
+        assert int(lease["spec"]["leaseTransitions"]) == epoch + 1
+        await api.until(
+            PODS_PATH,
+            lambda o: (
+                o["metadata"]["name"] == bc["status"]["primary"]
+                and (o["metadata"].get("labels") or {}).get(ROLE) == "primary"
+            ),
+            "the role label on the new primary",
+        )
+        assert labels.most_at_once == 1
+    finally:
+        assert BUG_PHRASE not in kubelet.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_a_paused_cluster_is_not_failed_over_until_resumed(
+    world: tuple[Api, Operator, Labels], tmp_path: Path
+) -> None:
+    api, _, labels = world
+    kubelet = await up(api, tmp_path, "demo")
+    try:
+        bc = await api.get(f"{BC_PATH}/demo")
+        primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
+        pause = {"metadata": {"annotations": {"tandem.dev/paused": "true"}}}
+        status, body = await api.call("PATCH", f"{BC_PATH}/demo", pause)
+        assert status == 200, body
+        await api.until(BC_PATH, lambda o: o["status"]["phase"] == "Paused", "phase Paused")
+        await kubelet.lose_pod(primary)
+        # The loop saw the primary go (no primary in the status) and did not fail over.
+        await api.until(
+            BC_PATH,
+            lambda o: o["status"]["phase"] == "Paused" and o["status"].get("primary") is None,
+            "the loss seen while paused",
+        )
+        lease = await api.get(f"{LEASE_PATH}/demo")
+        assert lease["spec"]["holderIdentity"] == primary
+        assert int(lease["spec"]["leaseTransitions"]) == epoch
+        assert labels.labelled == set()  # the label left the lost pod; no one has it
+        resume = {"metadata": {"annotations": {"tandem.dev/paused": None}}}
+        status, body = await api.call("PATCH", f"{BC_PATH}/demo", resume)
+        assert status == 200, body
+        bc = await api.until(
+            BC_PATH,
+            lambda o: o["status"]["epoch"] == epoch + 1 and o["status"].get("primary") is not None,
+            "the failover once resumed",
+        )
+        assert bc["status"]["primary"] != primary
+    finally:
+        assert BUG_PHRASE not in kubelet.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_scaling_down_takes_the_leaving_member_out_of_the_isr_first(
+    world: tuple[Api, Operator, Labels], tmp_path: Path
+) -> None:
+    api, _, _ = world
+    kubelet = await up(api, tmp_path, "demo")
+    try:
+        status, body = await api.call("PATCH", f"{BC_PATH}/demo", {"spec": {"replicas": 2}})
+        assert status == 200, body
+        await api.until(
+            f"/apis/apps/v1/namespaces/{NS}/statefulsets",
+            lambda o: o["spec"]["replicas"] == 2,
+            "the StatefulSet scaled to 2",
+        )
+        lease = await api.get(f"{LEASE_PATH}/demo")
+        isr = set(lease["metadata"]["annotations"]["tandem.dev/isr"].split(","))
+        assert "demo-2" not in isr and lease["spec"]["holderIdentity"] in isr
+    finally:
+        assert BUG_PHRASE not in kubelet.stop()
+
+
+@pytest.mark.asyncio
+async def test_an_invalid_spec_creates_nothing_and_says_why(
+    world: tuple[Api, Operator, Labels],
+) -> None:
+    api, _, _ = world
+    bad = brokercluster("bad", replicas=2, replication={"isrMin": 3})
+    status, body = await api.call("POST", BC_PATH, bad)
+    assert status in (200, 201), body
+    event = await api.until(
+        f"/api/v1/namespaces/{NS}/events",
+        lambda o: o.get("reason") == "InvalidSpec",
+        "an InvalidSpec event",
+    )
+    assert "isrMin (3) must not exceed replicas (2)" in event["message"]
+    assert event["involvedObject"]["name"] == "bad"
+    assert await api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/bad") is None
+
+
+@pytest.mark.asyncio
+async def test_deleting_a_cluster_deletes_its_claims_when_retention_says_so(
+    world: tuple[Api, Operator, Labels],
+) -> None:
+    api, _, _ = world
+    for name, retention in (("keep", "Retain"), ("drop", "Delete")):
+        status, body = await api.call(
+            "POST", BC_PATH, brokercluster(name, storage={"retention": retention})
+        )
+        assert status in (200, 201), body
+        await api.until(
+            f"/apis/apps/v1/namespaces/{NS}/statefulsets",
+            lambda o, name=name: o["metadata"]["name"] == name,
+            f"the StatefulSet of {name}",
+        )
+        claim = {  # what the StatefulSet controller would have made for the first member
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {
+                "name": f"data-{name}-0",
+                "namespace": NS,
+                "labels": builders.selector(name),
+            },
+        }
+        status, body = await api.call(
+            "POST", f"/api/v1/namespaces/{NS}/persistentvolumeclaims", claim
+        )
+        assert status in (200, 201), body
+        await api.until(
+            BC_PATH,
+            lambda o, name=name: (
+                o["metadata"]["name"] == name
+                and "tandem.dev/finalizer" in (o["metadata"].get("finalizers") or [])
+            ),
+            f"the finalizer on {name}",
+        )
+        status, body = await api.call("DELETE", f"{BC_PATH}/{name}")
+        assert status == 200, body
+
+    async def gone(path: str) -> None:
+        async with api.emulator.request("GET", f"{path}?watch=true") as resp:
+            async for line in resp.content:
+                if line.strip() and json.loads(line)["type"] == "DELETED":
+                    return
+
+    await asyncio.wait_for(gone(f"{BC_PATH}/drop"), 30)
+    claims = f"/api/v1/namespaces/{NS}/persistentvolumeclaims"
+    assert await api.get(f"{claims}/data-drop-0") is None
+    assert await api.get(f"{claims}/data-keep-0") is not None
