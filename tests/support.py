@@ -375,3 +375,24 @@ def drain(conn: Any, queue: str) -> list[bytes]:
         got.append(body)
     conn.close()
     return got
+
+
+CHART = Path(__file__).resolve().parents[1] / "charts" / "tandem"
+
+
+def chart_objects(
+    values: dict[str, Any] | None = None, namespace: str = "tandem-system"
+) -> list[dict[str, Any]]:
+    """charts/tandem rendered by Helm's engine (in process), as objects in template order."""
+    import helm_python as helm
+
+    rendered = helm.Chart.load(str(CHART)).render(
+        values or {}, name="tandem", namespace=namespace, is_install=True
+    )
+    return [
+        doc
+        for path in sorted(rendered)
+        if path.endswith(".yaml")
+        for doc in yaml.safe_load_all(rendered[path])
+        if doc
+    ]

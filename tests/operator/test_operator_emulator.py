@@ -29,7 +29,7 @@ import pytest_asyncio
 import yaml
 
 from tandem.operator import builders
-from tests.support import BUG_PHRASE, Broker
+from tests.support import BUG_PHRASE, Broker, chart_objects
 
 NS = "test"
 BC_PATH = f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/brokerclusters"
@@ -327,9 +327,10 @@ def _verb_of(request: kmock.Request) -> tuple[str, str, str]:
 
 
 def _allowed(verb: str, group: str, plural: str) -> bool:
+    (role,) = [o for o in chart_objects() if o["kind"] == "ClusterRole"]
     return any(
         group in rule["apiGroups"] and plural in rule["resources"] and verb in rule["verbs"]
-        for rule in builders.OPERATOR_RULES
+        for rule in role["rules"]
     )
 
 
@@ -596,3 +597,59 @@ async def test_deleting_a_cluster_deletes_its_claims_when_retention_says_so(
     claims = f"/api/v1/namespaces/{NS}/persistentvolumeclaims"
     assert await api.get(f"{claims}/data-drop-0") is None
     assert await api.get(f"{claims}/data-keep-0") is not None
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_a_terminating_primary_hands_over_in_its_prestop(
+    world: tuple[Api, Operator, Labels], tmp_path: Path
+) -> None:
+    """A graceful pod deletion: the API server marks the pod, the kubelet runs the preStop
+    (`tandem handover`, as the StatefulSet names it) and stops the container only after."""
+    api, _, labels = world
+    kubelet = await up(api, tmp_path, "demo")
+    try:
+        bc = await api.get(f"{BC_PATH}/demo")
+        primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
+        held = {"metadata": {"finalizers": ["tandem.dev/test-kubelet"]}}
+        status, body = await api.call("PATCH", f"{PODS_PATH}/{primary}", held)
+        assert status == 200, body
+        status, body = await api.call("DELETE", f"{PODS_PATH}/{primary}")
+        assert status == 200 and body["metadata"].get("deletionTimestamp"), body
+        sts = await api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo")
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:2] == ["tandem", "handover"]
+        broker = kubelet.brokers[primary]
+        hook = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            *command[1:],
+            "--admin-port",  # this machine's port instead of the pod's
+            str(broker.admin_port),
+            "--key-file",
+            str(tmp_path / "cluster.key"),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(hook.communicate(), 40)
+        assert hook.returncode == 0
+        assert b"this node is backup" in out, out
+        bc = await api.until(
+            BC_PATH,
+            lambda o: (
+                o["status"].get("epoch") == epoch + 1
+                and o["status"].get("primary") not in (None, primary)
+            ),
+            "the switchover in the status",
+        )
+        assert "switchover" in bc["status"]["lastFailover"]["reason"]
+        assert labels.labelled == {bc["status"]["primary"]} and labels.most_at_once == 1
+        # The kubelet stops the container and lets the pod go.
+        await asyncio.to_thread(broker.stop)
+        status, body = await api.call(
+            "PATCH", f"{PODS_PATH}/{primary}", {"metadata": {"finalizers": []}}
+        )
+        assert status == 200, body
+    finally:
+        assert BUG_PHRASE not in kubelet.stop()

@@ -35,6 +35,7 @@ USERS_DIR = "/etc/tandem/users"  # a Secret holding definitions.json (RabbitMQ's
 HANDOVER_SECONDS = 25  # the preStop waits this long at most for the primary role to move
 RUN_AS = 10001
 ROLE_LABEL = "tandem.dev/role"
+ADMIN_ACCESS = "tandem.dev/admin-access"  # a pod label that lets it reach the admin port
 OPERATOR_NAME = "tandem-operator"
 
 Obj = dict[str, Any]
@@ -259,14 +260,17 @@ def disruption_budget(name: str, namespace: str) -> Obj:
     }
 
 
-def network_policy(name: str, namespace: str) -> Obj:
-    peers = [
-        {"podSelector": {"matchLabels": selector(name)}},
-        {
-            "namespaceSelector": {},
-            "podSelector": {"matchLabels": {"app.kubernetes.io/name": OPERATOR_NAME}},
-        },
-    ]
+def network_policy(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
+    """Clients reach the AMQP ports from anywhere; the admin port only members, the operator
+    and pods labelled `tandem.dev/admin-access: "true"` (Prometheus, the audit) reach;
+    replication only the members."""
+    members = {"podSelector": {"matchLabels": selector(name)}}
+    operator = {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": OPERATOR_NAME}},
+    }
+    readers = {"namespaceSelector": {}, "podSelector": {"matchLabels": {ADMIN_ACCESS: "true"}}}
+    client_ports = [{"port": AMQP_PORT}] + ([{"port": AMQPS_PORT}] if spec.tls_secret else [])
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -275,8 +279,9 @@ def network_policy(name: str, namespace: str) -> Obj:
             "podSelector": {"matchLabels": selector(name)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"ports": [{"port": AMQP_PORT}]},  # clients, from anywhere the Service reaches
-                {"from": peers, "ports": [{"port": ADMIN_PORT}, {"port": REPLICATION_PORT}]},
+                {"ports": client_ports},
+                {"from": [members, operator, readers], "ports": [{"port": ADMIN_PORT}]},
+                {"from": [members], "ports": [{"port": REPLICATION_PORT}]},
             ],
         },
     }
@@ -307,7 +312,7 @@ def all_objects(name: str, namespace: str, spec: BrokerClusterSpec, key: str) ->
         client_service(name, namespace, spec),
         stateful_set(name, namespace, spec),
         disruption_budget(name, namespace),
-        network_policy(name, namespace),
+        network_policy(name, namespace, spec),
         lease(name, namespace, None, 0, []),
     ]
 
@@ -333,130 +338,3 @@ def merge(base: Obj, overrides: Obj) -> Obj:
 
 def _named(items: list[Any]) -> bool:
     return all(isinstance(i, dict) and "name" in i for i in items)
-
-
-# -- the operator itself --
-
-OPERATOR_RULES: list[Obj] = [
-    # The resource it serves.
-    {
-        "apiGroups": ["tandem.dev"],
-        "resources": ["brokerclusters"],
-        "verbs": ["get", "list", "watch", "patch", "update"],
-    },
-    {
-        "apiGroups": ["tandem.dev"],
-        "resources": ["brokerclusters/status"],
-        "verbs": ["get", "patch", "update"],
-    },
-    # What it builds.
-    {
-        "apiGroups": ["apps"],
-        "resources": ["statefulsets"],
-        "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"],
-    },
-    {
-        "apiGroups": [""],
-        "resources": ["services", "configmaps", "secrets"],
-        "verbs": ["get", "list", "watch", "create", "patch", "update", "delete"],
-    },
-    {
-        "apiGroups": ["policy"],
-        "resources": ["poddisruptionbudgets"],
-        "verbs": ["get", "create", "patch", "delete"],
-    },
-    {
-        "apiGroups": ["networking.k8s.io"],
-        "resources": ["networkpolicies"],
-        "verbs": ["get", "create", "patch", "delete"],
-    },
-    # The election record, and the role label it moves between pods.
-    {
-        "apiGroups": ["coordination.k8s.io"],
-        "resources": ["leases"],
-        "verbs": ["get", "create", "patch"],
-    },
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
-    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["list", "delete"]},
-    {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-    # kopf: which resources exist, and in which namespaces.
-    {
-        "apiGroups": ["apiextensions.k8s.io"],
-        "resources": ["customresourcedefinitions"],
-        "verbs": ["list", "watch"],
-    },
-    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
-]
-
-
-def operator_objects(namespace: str, image: str) -> list[Obj]:
-    """The operator's ServiceAccount, ClusterRole and binding, and its Deployment: one
-    replica, `tandem operator run`, restricted like the brokers."""
-    name = OPERATOR_NAME
-    meta = {"name": name, "labels": {"app.kubernetes.io/name": name}}
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": {**meta, "namespace": namespace},
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
-            "metadata": meta,
-            "rules": OPERATOR_RULES,
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": meta,
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": name,
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
-        },
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {**meta, "namespace": namespace},
-            "spec": {
-                "replicas": 1,
-                "strategy": {"type": "Recreate"},  # one controller at a time
-                "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
-                "template": {
-                    "metadata": {"labels": {"app.kubernetes.io/name": name}},
-                    "spec": {
-                        "serviceAccountName": name,
-                        "securityContext": {
-                            "runAsNonRoot": True,
-                            "runAsUser": RUN_AS,
-                            "seccompProfile": {"type": "RuntimeDefault"},
-                        },
-                        "containers": [
-                            {
-                                "name": "operator",
-                                "image": image,
-                                "args": ["operator", "run", "--all-namespaces"],
-                                "securityContext": {
-                                    "allowPrivilegeEscalation": False,
-                                    "readOnlyRootFilesystem": True,
-                                    "runAsNonRoot": True,
-                                    "capabilities": {"drop": ["ALL"]},
-                                },
-                                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
-                            }
-                        ],
-                        "volumes": [{"name": "tmp", "emptyDir": {}}],
-                    },
-                },
-            },
-        },
-    ]
-
-
-def render(objects: list[Obj], header: str) -> str:
-    return header + "".join(
-        "---\n" + yaml.safe_dump(o, sort_keys=False, width=100) for o in objects
-    )
