@@ -1,0 +1,28 @@
+# Tandem: one image for the broker, the local cluster and the Kubernetes operator.
+#   podman build -t tandem:dev .        (or deploy/build-image.sh, which needs no registry)
+# BASE is any Debian-like image with python3 (3.11+) and its venv module; the default is the
+# official slim Python image.
+ARG BASE=docker.io/library/python:3.11-slim-bookworm
+
+FROM ${BASE} AS build
+RUN python3 -m venv /opt/tandem
+COPY pyproject.toml README.md /src/
+COPY src /src/src
+RUN /opt/tandem/bin/pip install --no-cache-dir --disable-pip-version-check "/src[operator]"
+
+FROM ${BASE} AS tandem
+COPY --from=build /opt/tandem /opt/tandem
+COPY deploy/image/tandem.yaml /etc/tandem/tandem.yaml
+RUN useradd --uid 10001 --user-group --no-create-home --home-dir /var/lib/tandem \
+        --shell /usr/sbin/nologin tandem \
+    && mkdir -p /var/lib/tandem && chown 10001:10001 /var/lib/tandem
+ENV PATH=/opt/tandem/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+USER 10001
+WORKDIR /var/lib/tandem
+VOLUME /var/lib/tandem
+# amqp, amqps, replication, admin (/health, /ready, /status, /metrics)
+EXPOSE 5672 5671 5673 15672
+HEALTHCHECK --interval=10s --timeout=2s \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:15672/health', timeout=2)"]
+ENTRYPOINT ["tandem"]
+CMD ["broker", "--config", "/etc/tandem/tandem.yaml"]
