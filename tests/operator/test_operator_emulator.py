@@ -64,6 +64,7 @@ POD_LOCAL = {
     "data_dir",
     "cluster_key_file",
 }
+KUBELET = "tandem.dev/test-kubelet"
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
 
 
@@ -143,6 +144,10 @@ class Kubelet:
     def __init__(self, api: Api, tmp: Path, name: str) -> None:
         self.api, self.tmp, self.name = api, tmp, name
         self.brokers: dict[str, Broker] = {}
+        # (pod, its role when its deletion began, its role when the broker was stopped)
+        self.restarted: list[tuple[str, str, str]] = []
+        self.restart = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
 
     async def settings(self) -> tuple[dict[str, Any], str, dict[str, Any]]:
         cm = await self.api.get(f"/api/v1/namespaces/{NS}/configmaps/{self.name}-config")
@@ -174,7 +179,12 @@ class Kubelet:
                 "name": node,
                 "namespace": NS,
                 "uid": f"{node}-{broker.starts}",
-                "labels": dict(template["metadata"]["labels"]),
+                "labels": {
+                    **template["metadata"]["labels"],
+                    "controller-revision-hash": sts.get("status", {}).get("updateRevision", "r1"),
+                },
+                # Held until this kubelet has run the preStop and stopped the broker.
+                "finalizers": [KUBELET],
             },
             "spec": {
                 "containers": [
@@ -199,15 +209,73 @@ class Kubelet:
         return broker
 
     async def lose_pod(self, node: str) -> float:
-        """The member's process dies and its pod is deleted; returns when the API took it."""
+        """The member's process dies, the kubelet lets the pod go and it is deleted (a lost
+        node, a force delete); returns when the API took the deletion."""
         broker = self.brokers[node]
         if broker.proc is not None:
             await asyncio.to_thread(broker.kill)
+        status, body = await self.api.call(
+            "PATCH", f"{PODS_PATH}/{node}", {"metadata": {"finalizers": []}}
+        )
+        assert status == 200, body
         status, body = await self.api.call("DELETE", f"{PODS_PATH}/{node}")
         assert status == 200, body
         return time.monotonic()
 
+    def run_pods(self) -> None:
+        """From now on, act on deletions as the kubelet and the StatefulSet controller do:
+        run the preStop hook, stop the broker, let the pod go, and create it again."""
+        self.task = asyncio.create_task(self._controller())
+
+    async def _controller(self) -> None:
+        async with self.api.emulator.request("GET", f"{PODS_PATH}?watch=true") as resp:
+            async for line in resp.content:
+                if not line.strip():
+                    continue
+                obj = json.loads(line)["object"]
+                meta = obj["metadata"]
+                if meta.get("deletionTimestamp") and KUBELET in (meta.get("finalizers") or []):
+                    await self._terminate(meta["name"])
+
+    async def _terminate(self, node: str) -> None:
+        broker = self.brokers[node]
+        role_before = (await asyncio.to_thread(broker.status))["role"]
+        sts = await self.api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/{self.name}")
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        hook = container["lifecycle"]["preStop"]["exec"]["command"]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            *hook[1:],
+            "--admin-port",  # this machine's port instead of the pod's
+            str(broker.admin_port),
+            "--key-file",
+            str(self.tmp / "cluster.key"),
+            stdout=asyncio.subprocess.DEVNULL,
+        )
+        await proc.wait()
+        role = (await asyncio.to_thread(broker.status))["role"]
+        await asyncio.to_thread(broker.stop)
+        status, body = await self.api.call(
+            "PATCH", f"{PODS_PATH}/{node}", {"metadata": {"finalizers": []}}
+        )
+        assert status == 200, body
+        await self.run_pod(int(node.rsplit("-", 1)[1]))
+        self.restarted.append((node, role_before, role))
+        self.restart.set()
+
+    async def restarts(self, count: int, timeout: float = 120) -> None:
+        async def enough() -> None:
+            while len(self.restarted) < count:
+                await self.restart.wait()
+                self.restart.clear()
+
+        await asyncio.wait_for(enough(), timeout)
+
     def stop(self) -> str:
+        if self.task is not None:
+            self.task.cancel()
         logs = ""
         for b in self.brokers.values():
             if b.proc is not None:
@@ -611,9 +679,6 @@ async def test_a_terminating_primary_hands_over_in_its_prestop(
     try:
         bc = await api.get(f"{BC_PATH}/demo")
         primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
-        held = {"metadata": {"finalizers": ["tandem.dev/test-kubelet"]}}
-        status, body = await api.call("PATCH", f"{PODS_PATH}/{primary}", held)
-        assert status == 200, body
         status, body = await api.call("DELETE", f"{PODS_PATH}/{primary}")
         assert status == 200 and body["metadata"].get("deletionTimestamp"), body
         sts = await api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo")
@@ -651,5 +716,46 @@ async def test_a_terminating_primary_hands_over_in_its_prestop(
             "PATCH", f"{PODS_PATH}/{primary}", {"metadata": {"finalizers": []}}
         )
         assert status == 200, body
+    finally:
+        assert BUG_PHRASE not in kubelet.stop()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_a_rolling_upgrade_restarts_backups_first_and_the_primary_last(
+    world: tuple[Api, Operator, Labels], tmp_path: Path
+) -> None:
+    api, _, labels = world
+    kubelet = await up(api, tmp_path, "demo")
+    try:
+        kubelet.run_pods()
+        bc = await api.get(f"{BC_PATH}/demo")
+        primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
+        # A new image: the StatefulSet controller computes a new revision (OnDelete: it
+        # replaces no pod itself).
+        status, body = await api.call(
+            "PATCH",
+            f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo",
+            {"status": {"updateRevision": "r2"}},
+        )
+        assert status == 200, body
+        bc = await api.until(
+            BC_PATH,
+            lambda o: (
+                len(kubelet.restarted) == 3
+                and o["status"].get("phase") == "Running"
+                and o["status"].get("epoch") == epoch + 1
+            ),
+            "every pod on the new revision, the cluster running",
+            timeout=120,
+        )
+        # Backups first; the primary last, and stopped only once it was primary no more.
+        assert [before for _, before, _ in kubelet.restarted] == ["backup", "backup", "primary"]
+        assert kubelet.restarted[-1][0] == primary
+        assert [stopped for _, _, stopped in kubelet.restarted] == ["backup"] * 3
+        assert "switchover" in bc["status"]["lastFailover"]["reason"]
+        assert labels.most_at_once == 1
+        pods = (await api.get(PODS_PATH))["items"]
+        assert {p["metadata"]["labels"]["controller-revision-hash"] for p in pods} == {"r2"}
     finally:
         assert BUG_PHRASE not in kubelet.stop()

@@ -157,4 +157,5 @@ def test_the_operator_may_touch_only_what_it_manages() -> None:
     assert ("", "pods") in granted and ("coordination.k8s.io", "leases") in granted
     assert not any("*" in rule["verbs"] or "*" in rule["resources"] for rule in rules)
     pods = next(r for r in rules if r["resources"] == ["pods"])
-    assert set(pods["verbs"]) == {"get", "list", "watch", "patch"}  # labels, never delete
+    # labels, and deletes in a rolling upgrade; never creates (the StatefulSet does)
+    assert set(pods["verbs"]) == {"get", "list", "watch", "patch", "delete"}

@@ -13,6 +13,7 @@ with a permanent error and an Event that names the field.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import secrets
@@ -23,10 +24,11 @@ import kopf
 import pydantic
 
 from tandem.broker.ha_http import WakeableClock
+from tandem.ha.loop import BUG
 from tandem.operator import builders
 from tandem.operator import spec as spec_mod
-from tandem.operator.kube import Kube
-from tandem.operator.lease import LeaseElectionStore
+from tandem.operator.kube import ApiError, Kube
+from tandem.operator.lease import Conflict, LeaseElectionStore
 from tandem.operator.members import ClusterLoop, Pods
 from tandem.operator.spec import BrokerClusterSpec
 
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 RESOURCE = (spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL)
+ROLL_SECONDS = 2.0  # how often the StatefulSet's revision is compared with its pods'
 MEMBER_PODS = {"app.kubernetes.io/managed-by": builders.OPERATOR_NAME}
 
 
@@ -43,6 +46,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="tandem.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="tandem.dev")
     settings.batching.batch_window = 0.01  # a pod's deletion reaches the loop at once
+    settings.posting.level = logging.WARNING  # our own Events say what matters; no chatter
     memo.kube = Kube()
     memo.loops = {}
 
@@ -147,9 +151,28 @@ async def failover(
         try:
             for pod in await kube.list("v1", "Pod", namespace, builders.selector(name)):
                 pods.seen("ADDED", pod)
-            await loop.run(stopped)
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(loop.run(stopped))
+                tasks.create_task(_rolling_upgrade(kube, loop, name, namespace, stopped))
         finally:
             memo.loops.pop((namespace, name), None)
+
+
+async def _rolling_upgrade(
+    kube: Kube, loop: ClusterLoop, name: str, namespace: str, stopped: kopf.DaemonStopped
+) -> None:
+    """The StatefulSet updates OnDelete; this takes its pods to a new revision, a step at a
+    time (`ClusterLoop.roll`)."""
+    while not stopped.is_set():
+        try:
+            stateful_set = await kube.get("apps/v1", "StatefulSet", namespace, name)
+            if stateful_set is not None:
+                await loop.roll(stateful_set)
+        except (ApiError, Conflict, OSError) as exc:
+            log.warning("cluster=%s/%s rolling upgrade: %s", namespace, name, exc)
+        except Exception:
+            log.exception("cluster=%s/%s rolling upgrade: %s", namespace, name, BUG)
+        await stopped.wait(ROLL_SECONDS)
 
 
 @kopf.on.event("", "v1", "pods", labels=MEMBER_PODS)

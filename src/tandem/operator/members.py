@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 PAUSE_ANNOTATION = "tandem.dev/paused"
+REVISION_LABEL = "controller-revision-hash"  # set on each pod by the StatefulSet controller
 
 
 @dataclass(slots=True)
@@ -46,6 +47,7 @@ class Pod:
     running: bool = False
     terminating: bool = False
     labelled: bool = False  # carries the role label (the client Service selects it)
+    revision: str = ""  # the StatefulSet revision it runs (controller-revision-hash)
     uid: str = ""
     started: float = 0.0
     last_answer: float = 0.0
@@ -115,7 +117,9 @@ class Pods:
             pod.ports = ports
             pod.running = _running(obj)
             pod.terminating = bool(meta.get("deletionTimestamp"))
-            pod.labelled = (meta.get("labels") or {}).get(builders.ROLE_LABEL) == "primary"
+            labels = meta.get("labels") or {}
+            pod.labelled = labels.get(builders.ROLE_LABEL) == "primary"
+            pod.revision = labels.get(REVISION_LABEL, "")
         if pod.alive and not was_alive:
             pod.started = self.clock.monotonic()
             pod.status = {}
@@ -139,6 +143,8 @@ class PodApi(Protocol):
     async def event(
         self, involved: Mapping[str, Any], reason: str, message: str, type_: str = "Normal"
     ) -> None: ...
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
 
 
 def _now() -> str:
@@ -306,6 +312,43 @@ class ClusterLoop:
 
     def resize(self, nodes: list[str]) -> None:
         self.pods.resize(nodes)
+
+    async def roll(self, stateful_set: Mapping[str, Any]) -> str | None:
+        """One step of a rolling upgrade (the StatefulSet updates OnDelete): delete one pod
+        still on an old revision, backups first, the primary last (its preStop waits while
+        the loop switches over to a member in sync). A step is taken only while every member
+        serves, in sync, and nothing else is under way. Returns what it did or waits for."""
+        revision = (stateful_set.get("status") or {}).get("updateRevision")
+        stale = sorted(
+            p.node for p in self.pods.by_node.values() if p.revision and p.revision != revision
+        )
+        if not revision or not stale:
+            return None
+        record = await self.store.read()
+        pods = list(self.pods.by_node.values())
+        if self.controller.paused:
+            return "paused"
+        if self.serving is None or self.controller.switchover_to is not None:
+            return "waiting for a serving primary"
+        if any(not p.alive or p.terminating for p in pods):
+            return "waiting for every member to run"
+        if record.isr != frozenset(self.pods.by_node):
+            return f"waiting for every member to be in sync (ISR {','.join(sorted(record.isr))})"
+        backups = [n for n in stale if n != record.holder]
+        target = backups[0] if backups else stale[0]
+        log.info(
+            "cluster=%s/%s rolling upgrade to %s: restarting %s (%s)",
+            self.namespace,
+            self.name,
+            revision,
+            target,
+            "backup" if backups else "primary, after a switchover",
+        )
+        await self.api.event(
+            self.owner, "RollingUpgrade", f"restarting {target} on revision {revision}"
+        )
+        await self.api.delete("v1", "Pod", self.namespace, target)
+        return f"restarted {target}"
 
     async def leave(self, leaving: set[str]) -> bool:
         """Scale-down's first step: the leaving members out of the ISR (the record first,
