@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import kmock
+import pika
 import pytest
 import pytest_asyncio
 import yaml
@@ -63,6 +64,7 @@ POD_LOCAL = {
     "replication_port",
     "data_dir",
     "cluster_key_file",
+    "definitions",
 }
 KUBELET = "tandem.dev/test-kubelet"
 VERBS = {"get", "list", "watch", "create", "update", "patch", "delete"}
@@ -149,15 +151,18 @@ class Kubelet:
         self.restart = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
 
+    async def secret(self, name: str, key: str) -> str:
+        found = await self.api.get(f"/api/v1/namespaces/{NS}/secrets/{name}")
+        assert found, f"no Secret {name}"
+        if key in found.get("stringData", {}):  # kmock keeps what was sent
+            return str(found["stringData"][key])
+        return base64.b64decode(found["data"][key]).decode()
+
     async def settings(self) -> tuple[dict[str, Any], str, dict[str, Any]]:
         cm = await self.api.get(f"/api/v1/namespaces/{NS}/configmaps/{self.name}-config")
-        secret = await self.api.get(f"/api/v1/namespaces/{NS}/secrets/{self.name}-cluster-key")
         sts = await self.api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/{self.name}")
-        assert cm and secret and sts, "the operator has not created the members' objects"
-        key = (
-            secret.get("stringData", {}).get("key")
-            or base64.b64decode(secret["data"]["key"]).decode()
-        )
+        assert cm and sts, "the operator has not created the members' objects"
+        key = await self.secret(f"{self.name}-cluster-key", "key")
         return yaml.safe_load(cm["data"]["tandem.yaml"]), key, sts
 
     async def run_pod(self, index: int) -> Broker:
@@ -168,6 +173,12 @@ class Kubelet:
         # The pod's settings, but this machine's addresses, ports and paths.
         config = {k: v for k, v in settings.items() if k not in POD_LOCAL}
         config.update(cluster_key_file=str(key_file), replication_port=0)
+        # The mounted users Secret, as the pod would see it.
+        volumes = sts["spec"]["template"]["spec"]["volumes"]
+        (users,) = [v["secret"]["secretName"] for v in volumes if v["name"] == "users"]
+        users_file = self.tmp / "definitions.json"
+        users_file.write_text(await self.secret(users, "definitions.json"))
+        config["definitions"] = str(users_file)
         broker = self.brokers.get(node) or Broker(self.tmp / node, config, node_id=node)
         self.brokers[node] = broker
         await asyncio.to_thread(broker.start)
@@ -449,6 +460,13 @@ async def test_the_operator_creates_the_cluster_and_fails_over(
         assert sorted(bc["status"]["isr"]) == ["demo-0", "demo-1", "demo-2"]
         assert bc["status"]["readyMembers"] == 3
         assert labels.labelled == {primary}
+        # The generated user works through the primary (where the Service would send it).
+        url = await kubelet.secret("demo-default-user", "url")
+        assert url.startswith("amqp://default:") and "@demo.test.svc:5672/" in url
+        port = kubelet.brokers[primary].amqp_port
+        params = pika.URLParameters(url.replace("demo.test.svc:5672", f"127.0.0.1:{port}"))
+        conn = await asyncio.to_thread(pika.BlockingConnection, params)
+        await asyncio.to_thread(conn.close)
 
         # The primary's pod goes: the label moves to another member within half a second.
         moves = len(labels.onto)

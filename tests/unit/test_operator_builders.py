@@ -7,6 +7,7 @@ rewrites the golden files after an intended change; review the diff."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tandem.broker.model import definitions
 from tandem.operator import builders
 from tandem.operator.spec import BrokerClusterSpec
 
@@ -28,10 +30,12 @@ def sample() -> BrokerClusterSpec:
 
 
 def objects() -> list[dict[str, Any]]:
-    return builders.all_objects("demo", "default", sample(), "golden-test-key-0123456789")
+    return builders.all_objects(
+        "demo", "default", sample(), "golden-test-key-0123456789", "golden-test-password"
+    )
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(9))
 def test_golden(index: int) -> None:
     obj = objects()[index]
     path = GOLDEN / f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
@@ -119,7 +123,7 @@ def test_the_lease_holds_the_election_record() -> None:
 K8S = "1.33"  # a current Kubernetes; kubernetes-validate bundles its schemas
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(9))
 def test_every_object_is_valid_for_kubernetes(index: int) -> None:
     kubernetes_validate.validate(objects()[index], K8S, strict=True)
 
@@ -151,3 +155,18 @@ def test_tls_and_users_secrets_reach_the_members() -> None:
     service = builders.client_service("demo", "ns", spec)
     assert {"name": "amqps", "port": 5671, "targetPort": "amqps"} in service["spec"]["ports"]
     kubernetes_validate.validate(builders.stateful_set("demo", "ns", spec), K8S, strict=True)
+
+
+def test_without_a_users_secret_a_default_user_is_generated() -> None:
+    spec = sample()
+    assert spec.users_secret is None
+    (secret,) = [o for o in objects() if o["metadata"]["name"] == "demo-default-user"]
+    data = secret["stringData"]
+    assert data["url"] == f"amqp://default:{data['password']}@demo.default.svc:5672/%2F"
+    users = definitions.validate(json.loads(data["definitions.json"]), "the default user")
+    assert [u["name"] for u in users["users"]] == ["default"]
+    pod = builders.stateful_set("demo", "default", spec)["spec"]["template"]["spec"]
+    assert {"name": "users", "secret": {"secretName": "demo-default-user"}} in pod["volumes"]
+    own = spec.model_copy(update={"users_secret": "mine"})
+    names = [o["metadata"]["name"] for o in builders.all_objects("demo", "d", own, "k", "p")]
+    assert "demo-default-user" not in names

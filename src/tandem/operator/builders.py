@@ -17,6 +17,7 @@ tests compare them with golden files.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import yaml
@@ -117,8 +118,7 @@ def member_settings(spec: BrokerClusterSpec) -> Obj:
             tls_certfile=f"{TLS_DIR}/tls.crt",
             tls_keyfile=f"{TLS_DIR}/tls.key",
         )
-    if spec.users_secret:
-        settings["definitions"] = f"{USERS_DIR}/definitions.json"
+    settings["definitions"] = f"{USERS_DIR}/definitions.json"  # usersSecret, or the default
     return settings
 
 
@@ -138,6 +138,39 @@ def cluster_key_secret(name: str, namespace: str, key: str) -> Obj:
         "metadata": _meta(f"{name}-cluster-key", namespace, name),
         "type": "Opaque",
         "stringData": {"key": key},
+    }
+
+
+def users_secret_name(name: str, spec: BrokerClusterSpec) -> str:
+    return spec.users_secret or f"{name}-default-user"
+
+
+def default_user_secret(name: str, namespace: str, password: str) -> Obj:
+    """Without a usersSecret, the operator generates one user, as RabbitMQ's operator does:
+    `<name>-default-user` holds its username, password, the client URL (the client
+    Service's DNS name) and the definitions.json the members load."""
+    user = "default"
+    host = f"{name}.{namespace}.svc"
+    users = {
+        "users": [{"name": user, "password": password, "tags": ["administrator"]}],
+        "vhosts": [{"name": "/"}],
+        "permissions": [
+            {"user": user, "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"}
+        ],
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(f"{name}-default-user", namespace, name),
+        "type": "Opaque",
+        "stringData": {
+            "username": user,
+            "password": password,
+            "host": host,
+            "port": str(AMQP_PORT),
+            "url": f"amqp://{user}:{password}@{host}:{AMQP_PORT}/%2F",
+            "definitions.json": json.dumps(users, sort_keys=True),
+        },
     }
 
 
@@ -196,11 +229,8 @@ def stateful_set(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
         container["ports"].append({"name": "amqps", "containerPort": AMQPS_PORT})
         container["volumeMounts"].append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
         volumes.append({"name": "tls", "secret": {"secretName": spec.tls_secret}})
-    if spec.users_secret:
-        container["volumeMounts"].append(
-            {"name": "users", "mountPath": USERS_DIR, "readOnly": True}
-        )
-        volumes.append({"name": "users", "secret": {"secretName": spec.users_secret}})
+    container["volumeMounts"].append({"name": "users", "mountPath": USERS_DIR, "readOnly": True})
+    volumes.append({"name": "users", "secret": {"secretName": users_secret_name(name, spec)}})
     resources = spec.resources.model_dump(exclude_defaults=True)
     if resources:
         container["resources"] = resources
@@ -303,10 +333,15 @@ def lease(name: str, namespace: str, holder: str | None, epoch: int, isr: list[s
     }
 
 
-def all_objects(name: str, namespace: str, spec: BrokerClusterSpec, key: str) -> list[Obj]:
-    """Everything a BrokerCluster needs, in the order to create it."""
+def all_objects(
+    name: str, namespace: str, spec: BrokerClusterSpec, key: str, password: str
+) -> list[Obj]:
+    """Everything a BrokerCluster needs, in the order to create it. `key` and `password` are
+    used only where the Secrets do not exist yet (the operator never replaces them)."""
+    users = [] if spec.users_secret else [default_user_secret(name, namespace, password)]
     return [
         cluster_key_secret(name, namespace, key),
+        *users,
         config_map(name, namespace, spec),
         members_service(name, namespace),
         client_service(name, namespace, spec),

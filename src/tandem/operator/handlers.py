@@ -91,7 +91,9 @@ async def reconcile(
         raise
     objects = [
         o
-        for o in builders.all_objects(name, namespace, parsed, secrets.token_hex(32))
+        for o in builders.all_objects(
+            name, namespace, parsed, secrets.token_hex(32), secrets.token_hex(16)
+        )
         if o["kind"] != "Lease"  # the failover loop writes the Lease, by compare-and-set
     ]
     kopf.adopt(objects, owner=body)
