@@ -223,6 +223,19 @@ def _operator_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    try:
+        from tandem.audit import job
+    except ImportError as exc:
+        print(
+            f"tandem audit needs {exc.name}, which is not installed: "
+            "python3 -m pip install -e '.[audit]' (Java 17 or later too)",
+            file=sys.stderr,
+        )
+        return 2
+    return job.main(args)
+
+
 def _operator_crd(args: argparse.Namespace) -> int:
     from tandem.operator import crd
 
@@ -457,6 +470,33 @@ def parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_operator_run)
     crd_cmd = osub.add_parser("crd", help="print the BrokerCluster CRD (crds/brokercluster.yaml)")
     crd_cmd.set_defaults(func=_operator_crd)
+
+    a = sub.add_parser(
+        "audit",
+        help="check with Spark that every backup holds what the primary holds (docs/audit.md)",
+        description="Compare every member's queue depths with the primary's at the same log "
+        "position; exit 1 when one diverged, lags past the limits or does not answer.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    where = a.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cluster", help="a local cluster's admin URL (reads its /cluster)")
+    where.add_argument("--members", help="members' admin URLs, comma-separated")
+    where.add_argument(
+        "--kubernetes", metavar="NAME[.NAMESPACE]", help="a BrokerCluster (its headless Service)"
+    )
+    a.add_argument("--out", default="tandem-audit", help="where the report goes")
+    a.add_argument("--history", help="a directory the audit appends to, for trends")
+    a.add_argument("--history-format", choices=("parquet", "json"), default="parquet")
+    a.add_argument("--master", default="local[2]", help="the Spark master")
+    a.add_argument("--max-lag-records", type=int, default=100_000, help="LAG_EXCEEDED past it")
+    a.add_argument("--max-lag-seconds", type=float, default=30.0, help="LAG_EXCEEDED past it")
+    a.add_argument("--token", help="admin token, if the members require one")
+    a.add_argument(
+        "--checkpoint", action="store_true", help="ask the primary for a fresh checkpoint first"
+    )
+    a.add_argument("--textfile", help="write the figures as a Prometheus textfile here")
+    a.add_argument("--pushgateway", help="push the figures to this Prometheus Pushgateway")
+    a.set_defaults(func=_audit)
 
     h = sub.add_parser(
         "handover",

@@ -58,6 +58,7 @@ class BrokerLog:
         self.lost = sequencer.offset > 0
         self.on_checkpoint: Callable[[int, int, dict[str, Any]], object] = lambda e, o, b: None
         self.on_auth: Callable[[], None] = lambda: None  # users changed: save them
+        self.drop_enqueues_to: str | None = None  # a test-only fault (see `drop_enqueues`)
         self.group: list[bytes] = []  # the frames of a group not yet complete
 
     # -- what the protocol reads --
@@ -190,9 +191,23 @@ class BrokerLog:
                 self._take(member)
             group.clear()
 
+    def drop_enqueues(self, queue: str) -> None:
+        """A fault for tests of the audit: as a backup, take every enqueue to `queue` without
+        applying it, so this member's depth of it diverges from the primary's while its log
+        position keeps up. Set by TANDEM_TEST_FAULT_DROP_ENQUEUES=node:queue (node `*`: any
+        member); never in use."""
+        log.warning("TEST FAULT: this member drops every enqueue to %r it takes", queue)
+        self.drop_enqueues_to = queue
+
     def _take(self, data: bytes) -> None:
         rtype, epoch, offset, durable = records.head(data)
         payload = records.payload(data)
+        if (
+            self.drop_enqueues_to is not None
+            and rtype == records.ENQUEUE
+            and records.read_key(payload)[1] == self.drop_enqueues_to
+        ):
+            return
         sequencer, store = self.sequencer, self.store
         bounds = sequencer.boundaries
         if store is not None and (not bounds or bounds[-1][0] != epoch):

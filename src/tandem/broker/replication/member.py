@@ -134,6 +134,9 @@ class Member:
         self.server_ssl, self.client_ssl = server_ssl, client_ssl
         self.state = State(data_dir / "cluster.json" if data_dir is not None else None)
         self.log = BrokerLog(broker, sequencer, store)
+        fault = os.environ.get("TANDEM_TEST_FAULT_DROP_ENQUEUES", "")
+        if fault.partition(":")[0] in (node, "*"):
+            self.log.drop_enqueues(fault.partition(":")[2])
         self.replica = core.Replica(node, isr_min=isr_min, epoch=self.state.epoch, log=self.log)
         self.replica.restart(time.time_ns())
         self.peers: dict[str, asyncio.StreamWriter] = {}  # followers, by node

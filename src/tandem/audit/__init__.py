@@ -1,0 +1,1 @@
+"""The audit of replicated queue depth (`tandem audit`, docs/audit.md)."""

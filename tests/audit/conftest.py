@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from pyspark.sql import SparkSession
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    """The one Spark session of a test run (a JVM takes seconds to start)."""
+    from tandem.audit.job import session
+
+    s = session("local[2]")
+    # The tests' frames are a few rows: one shuffle partition, no re-planning.
+    s.conf.set("spark.sql.shuffle.partitions", "1")
+    s.conf.set("spark.sql.adaptive.enabled", "false")
+    yield s
+    s.stop()
