@@ -269,6 +269,7 @@ def test_audit_checkpoints_record_the_same_depths_at_the_same_position(cluster: 
     assert code == 200 and theirs["node"] == "b"
     (cp,) = [c for c in theirs["checkpoints"] if c["position"] == made["position"]]
     assert cp["epoch"] == made["epoch"] == 1
+    assert cp["time"] == made["time"]  # the primary's time, so lag in seconds has one clock
     depth = {d["queue"]: d["depth"] for d in cp["depths"]}
     assert depth == {d["queue"]: d["depth"] for d in made["depths"]} == {"q": 30}
     code, refused = b.http("POST", "/replication/checkpoints")

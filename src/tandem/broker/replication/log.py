@@ -192,22 +192,23 @@ class BrokerLog:
             group.clear()
 
     def drop_enqueues(self, queue: str) -> None:
-        """A fault for tests of the audit: as a backup, take every enqueue to `queue` without
-        applying it, so this member's depth of it diverges from the primary's while its log
-        position keeps up. Set by TANDEM_TEST_FAULT_DROP_ENQUEUES=node:queue (node `*`: any
-        member); never in use."""
+        """A fault for tests of the audit: as a backup, take (and store) every enqueue to
+        `queue` without applying it to the model, so this member's depth of it diverges from
+        the primary's while its log position keeps up. Set by
+        TANDEM_TEST_FAULT_DROP_ENQUEUES=node:queue (node `*`: any member); never in use."""
         log.warning("TEST FAULT: this member drops every enqueue to %r it takes", queue)
         self.drop_enqueues_to = queue
+
+    def _dropped(self, rtype: int, payload: bytes) -> bool:
+        return (
+            self.drop_enqueues_to is not None
+            and rtype == records.ENQUEUE
+            and records.read_key(payload)[1] == self.drop_enqueues_to
+        )
 
     def _take(self, data: bytes) -> None:
         rtype, epoch, offset, durable = records.head(data)
         payload = records.payload(data)
-        if (
-            self.drop_enqueues_to is not None
-            and rtype == records.ENQUEUE
-            and records.read_key(payload)[1] == self.drop_enqueues_to
-        ):
-            return
         sequencer, store = self.sequencer, self.store
         bounds = sequencer.boundaries
         if store is not None and (not bounds or bounds[-1][0] != epoch):
@@ -222,11 +223,12 @@ class BrokerLog:
                     store.forget_queue(rec["vhost"], rec["body"]["name"])
             store.write(rtype, offset, data, key)
         try:
-            apply.apply(self.broker, rtype, payload)
+            if not self._dropped(rtype, payload):
+                apply.apply(self.broker, rtype, payload)
         except ValueError as exc:
             log.error("record (%d, %d) from the primary not applied: %s", epoch, offset, exc)
         if rtype == records.CHECKPOINT:
-            self.on_checkpoint(epoch, offset, records.json_payload(payload))
+            self.on_checkpoint(epoch, offset, records.json_payload(payload).get("body") or {})
         elif rtype == records.DEFINE and records.json_payload(payload).get("op") == "auth":
             self.on_auth()
         sequencer.follow(epoch, offset)
