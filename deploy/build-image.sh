@@ -4,6 +4,7 @@
 #
 #   deploy/build-image.sh            builds localhost/tandem-base:bookworm once, then tandem:dev
 #   TAG=tandem:0.1.0 deploy/build-image.sh
+#   TARGET=audit TAG=tandem:audit deploy/build-image.sh    the audit's image (PySpark, Java)
 #
 # Needs root (or rootless podman set up) and the Debian and PyPI package mirrors. Installs
 # podman, runc and mmdebstrap with apt when they are missing. Containers run with runc and host
@@ -12,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TAG=${TAG:-tandem:dev}
+TARGET=${TARGET:-tandem}
 SUITE=${SUITE:-bookworm}
 BASE=localhost/tandem-base:$SUITE
 
@@ -49,6 +51,6 @@ if [[ -f /etc/ssl/certs/ca-certificates.crt ]]; then
     trust=(--volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro)
 fi
 podman build --quiet --runtime runc --network host "${trust[@]}" --build-arg "BASE=$BASE" \
-    -t "$TAG" . >/dev/null
+    --target "$TARGET" -t "$TAG" . >/dev/null
 echo "built $TAG on $BASE" >&2
 echo "$TAG"

@@ -487,7 +487,10 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--out", default="tandem-audit", help="where the report goes")
     a.add_argument("--history", help="a directory the audit appends to, for trends")
     a.add_argument("--history-format", choices=("parquet", "json"), default="parquet")
-    a.add_argument("--master", default="local[2]", help="the Spark master")
+    a.add_argument(
+        "--master",
+        help="the Spark master (default: spark-submit's when run by it, else local[2])",
+    )
     a.add_argument("--max-lag-records", type=int, default=100_000, help="LAG_EXCEEDED past it")
     a.add_argument("--max-lag-seconds", type=float, default=30.0, help="LAG_EXCEEDED past it")
     a.add_argument("--token", help="admin token, if the members require one")

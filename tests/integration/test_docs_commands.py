@@ -85,7 +85,7 @@ def test_readme_tour_python_snippet(cluster: LocalCluster) -> None:
 
 def test_readme_tour_failover(cluster: LocalCluster) -> None:
     """The tour's failover, run as one script as a user pastes it."""
-    failover, _admin = blocks(ROOT / "README.md", "sh", after="## A five-minute tour")
+    failover = blocks(ROOT / "README.md", "sh", after="## A five-minute tour")[0]
     first = cluster.cluster()
     out = run(failover, cluster, timeout=240).stdout
     assert "published 20000 messages, all confirmed" in out
@@ -97,7 +97,7 @@ def test_readme_tour_failover(cluster: LocalCluster) -> None:
 
 def test_readme_tour_admin_commands(cluster: LocalCluster) -> None:
     """The tour's admin lines run against the cluster's admin address: no admin token."""
-    _failover, admin = blocks(ROOT / "README.md", "sh", after="## A five-minute tour")
+    admin = blocks(ROOT / "README.md", "sh", after="## A five-minute tour")[1]
     lines = shell_lines(admin)
     assert any(line.startswith("curl") for line in lines)
     assert any(line.startswith("tandem ctl") for line in lines)

@@ -159,3 +159,90 @@ def test_the_operator_may_touch_only_what_it_manages() -> None:
     pods = next(r for r in rules if r["resources"] == ["pods"])
     # labels, and deletes in a rolling upgrade; never creates (the StatefulSet does)
     assert set(pods["verbs"]) == {"get", "list", "watch", "patch", "delete"}
+
+
+SPARK_CRDS = ROOT / "tests" / "data" / "spark-operator"  # the spark-operator's, Apache-2.0
+AUDIT_MANIFESTS = {
+    "sparkapplication.yaml": {"audit": {"enabled": True, "clusterNamespace": "default"}},
+    "scheduledsparkapplication.yaml": {
+        "audit": {"enabled": True, "clusterNamespace": "default", "schedule": "0 * * * *"}
+    },
+}
+
+
+def audit_yaml(values: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    docs = [
+        o
+        for o in chart_objects(values, namespace="tandem-system")
+        if (o.get("metadata") or {}).get("labels", {}).get("app.kubernetes.io/name")
+        == "tandem-audit"
+    ]
+    header = (
+        "# The Spark audit of BrokerCluster demo (namespace default), rendered from "
+        "charts/tandem\n# (tests/unit/test_chart.py keeps it so). Needs the Kubeflow "
+        "spark-operator: docs/audit.md.\n"
+    )
+    text = header + "".join("---\n" + yaml.safe_dump(d, sort_keys=False, width=100) for d in docs)
+    return text, docs
+
+
+def _strict(schema: dict[str, Any], value: Any, path: str) -> list[str]:
+    """Keys the schema does not know (the API server would prune them silently)."""
+    if not isinstance(value, dict) or schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    props = schema.get("properties")
+    if props is None:
+        extra = schema.get("additionalProperties")
+        return (
+            [p for k, v in value.items() for p in _strict(extra, v, f"{path}.{k}")]
+            if (isinstance(extra, dict))
+            else []
+        )
+    out = []
+    for k, v in value.items():
+        if k not in props:
+            out.append(f"{path}.{k}")
+        else:
+            out += _strict(props[k], v, f"{path}.{k}")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(AUDIT_MANIFESTS))
+def test_the_audit_manifests_are_the_chart_rendered_and_valid(name: str) -> None:
+    import jsonschema
+
+    text, docs = audit_yaml(AUDIT_MANIFESTS[name])
+    _same(ROOT / "deploy" / name, text, "TANDEM_UPDATE_GOLDEN=1 pytest tests/unit")
+    (app,) = [d for d in docs if d["apiVersion"] == "sparkoperator.k8s.io/v1beta2"]
+    plural = app["kind"].lower() + "s"
+    crd_doc = yaml.safe_load((SPARK_CRDS / f"sparkoperator.k8s.io_{plural}.yaml").read_text())
+    schema = crd_doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.validate(app, schema)
+    assert not _strict(schema, app, ""), _strict(schema, app, "")
+    spec = app["spec"].get("template", app["spec"])
+    assert spec["type"] == "Python"
+    for side in ("driver", "executor"):
+        pod = spec[side]
+        assert pod["cores"] == 1
+        assert pod["labels"]["tandem.dev/admin-access"] == "true"  # members admit it
+        assert pod["podSecurityContext"]["runAsNonRoot"] is True
+    assert "--kubernetes" in spec["arguments"] and "demo.default" in spec["arguments"]
+    if app["kind"] == "ScheduledSparkApplication":
+        assert app["spec"]["timeZone"] == "UTC" and app["spec"]["schedule"] == "0 * * * *"
+    for d in docs:
+        if d is not app:
+            kubernetes_validate.validate(d, K8S, strict=True)
+
+
+def test_the_audit_reaches_only_the_members_admin_port_and_dns_and_the_api() -> None:
+    _, docs = audit_yaml(AUDIT_MANIFESTS["sparkapplication.yaml"])
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    ports = sorted(p["port"] for rule in policy["spec"]["egress"] for p in rule.get("ports", []))
+    assert ports == [53, 53, 443, 6443, 15672]
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    assert {r for rule in role["rules"] for r in rule["resources"]} <= {
+        "pods",
+        "services",
+        "configmaps",
+        "persistentvolumeclaims",
+    }

@@ -42,13 +42,16 @@ class Options:
     cluster_name: str = "tandem"
 
 
-def session(master: str = "local[2]") -> SparkSession:
-    """A light local session: no UI, few shuffle partitions, a quick JVM."""
+def session(master: str | None = "local[2]") -> SparkSession:
+    """A light session: no UI, few shuffle partitions, a quick JVM. `master` None: the one
+    spark-submit gave (a SparkApplication's driver)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder
+    if master:
+        builder = builder.master(master)
     builder = (
-        SparkSession.builder.master(master)
-        .appName("tandem-audit")
+        builder.appName("tandem-audit")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "4")
@@ -154,8 +157,11 @@ def main(args: argparse.Namespace, spark: SparkSession | None = None) -> int:
     )
     if spark is not None:
         return run(options, spark)
-    progress(f"starting Spark ({args.master})")
-    own = session(args.master)
+    # Under spark-submit (a SparkApplication's driver) the master is spark-submit's.
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ
+    master = args.master or (None if submitted else "local[2]")
+    progress(f"starting Spark ({master or 'as submitted'})")
+    own = session(master)
     try:
         return run(options, own)
     finally:

@@ -31,7 +31,7 @@ def _grid(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
     widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def table(summary: DataFrame, results: DataFrame) -> str:
@@ -88,6 +88,8 @@ def plot(trend: DataFrame, path: Path) -> None:
         depth_ax.plot(*_xy(points), marker=".", label=label)
     for label, points in sorted(lags.items()):
         lag_ax.plot(*_xy(points), marker=".", label=label)
+    highest = max((v for points in lags.values() for _, v in points), default=0)
+    lag_ax.set_ylim(0, max(1, highest * 1.1))
     depth_ax.set_title("Depth of each replicated queue on the primary (ready + unacked)")
     depth_ax.set_ylabel("messages")
     lag_ax.set_title("Each backup's lag behind the primary")

@@ -157,6 +157,28 @@ def values_schema() -> dict[str, Any]:
                     "spec": _draft7(schema_of(spec.BrokerClusterSpec)),
                 },
             },
+            "audit": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "enabled": {"type": "boolean"},
+                    "cluster": name,
+                    "clusterNamespace": {"anyOf": [name, {"const": ""}]},
+                    # five cron fields, or a descriptor such as @hourly; empty: run once
+                    "schedule": {"type": "string", "pattern": r"^(|@\w+|(\S+\s+){4}\S+)$"},
+                    "timeZone": {"type": "string", "minLength": 1},
+                    "image": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "repository": {"type": "string", "minLength": 1},
+                            "tag": {"type": "string", "minLength": 1},
+                        },
+                    },
+                    "maxLagRecords": {"type": "integer", "minimum": 0},
+                    "maxLagSeconds": {"type": "number", "exclusiveMinimum": 0},
+                },
+            },
             "metrics": {
                 "type": "object",
                 "additionalProperties": False,
