@@ -23,7 +23,9 @@ command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
 command -v runc >/dev/null || need+=(runc)
 if ((${#need[@]})); then
     echo "installing ${need[*]}" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >/dev/null
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q "${need[@]}" >/dev/null 2>&1 ||
+        { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }
 fi
 
 conf=/etc/containers/containers.conf

@@ -30,6 +30,7 @@ import pytest_asyncio
 import yaml
 
 from tandem.operator import builders
+from tandem.operator.spec import BrokerClusterStatus
 from tests.support import BUG_PHRASE, Broker, chart_objects
 
 NS = "test"
@@ -459,6 +460,10 @@ async def test_the_operator_creates_the_cluster_and_fails_over(
         assert int(lease["spec"]["leaseTransitions"]) == epoch
         assert sorted(bc["status"]["isr"]) == ["demo-0", "demo-1", "demo-2"]
         assert bc["status"]["readyMembers"] == 3
+        conditions = {c["type"]: c for c in bc["status"]["conditions"]}
+        assert conditions["Available"]["status"] == "True"
+        assert conditions["FullyReplicated"]["status"] == "True"
+        BrokerClusterStatus.model_validate(bc["status"])  # what the CRD's schema describes
         assert labels.labelled == {primary}
         # The generated user works through the primary (where the Service would send it).
         url = await kubelet.secret("demo-default-user", "url")

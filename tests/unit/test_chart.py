@@ -246,3 +246,13 @@ def test_the_audit_reaches_only_the_members_admin_port_and_dns_and_the_api() -> 
         "configmaps",
         "persistentvolumeclaims",
     }
+
+
+def test_the_sample_brokercluster_is_what_the_chart_renders_from_it() -> None:
+    sample = yaml.safe_load((ROOT / "deploy" / "brokercluster.yaml").read_text())
+    values = {
+        "brokerCluster": {"enabled": True, "name": "demo", "spec": sample["spec"]},
+        "image": {"repository": "tandem", "tag": "dev"},
+    }
+    (bc,) = [o for o in chart_objects(values, namespace="default") if o["kind"] == "BrokerCluster"]
+    assert bc == {**sample, "metadata": {**sample["metadata"], "namespace": "default"}}

@@ -291,6 +291,23 @@ class ClusterLoop:
             phase = "Degraded"
         else:
             phase = "Running"
+        in_sync = len(record.isr) == len(members)
+        conditions = [
+            self._condition(
+                "Available",
+                serving,
+                "PrimaryServing" if serving else "NoPrimary",
+                f"{record.holder} serves clients at epoch {record.epoch}"
+                if serving
+                else "no member serves clients",
+            ),
+            self._condition(
+                "FullyReplicated",
+                in_sync,
+                "AllInSync" if in_sync else "MembersOutOfSync",
+                f"in sync: {', '.join(sorted(record.isr)) or 'none'}",
+            ),
+        ]
         status = {
             **self.published,
             "phase": phase,
@@ -298,6 +315,7 @@ class ClusterLoop:
             "epoch": record.epoch,
             "isr": sorted(record.isr),
             "readyMembers": ready,
+            "conditions": conditions,
         }
         if status != self.published:
             self.published = status
@@ -309,6 +327,19 @@ class ClusterLoop:
                 {"status": status},
                 subresource="status",
             )
+
+    def _condition(self, kind: str, true: bool, reason: str, message: str) -> Obj:
+        """A status condition; its lastTransitionTime moves only when its status does."""
+        value = "True" if true else "False"
+        before = next((c for c in self.published.get("conditions", []) if c["type"] == kind), None)
+        since = before["lastTransitionTime"] if before and before["status"] == value else _now()
+        return {
+            "type": kind,
+            "status": value,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": since,
+        }
 
     def resize(self, nodes: list[str]) -> None:
         self.pods.resize(nodes)
