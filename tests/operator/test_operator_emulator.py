@@ -414,6 +414,17 @@ def _allowed(verb: str, group: str, plural: str) -> bool:
     )
 
 
+@pytest_asyncio.fixture
+async def demo(
+    world: tuple[Api, Operator, Labels], tmp_path: Path
+) -> AsyncIterator[tuple[Api, Operator, Labels, Kubelet]]:
+    """The BrokerCluster `demo`, running: three real brokers as its pods."""
+    api, operator, labels = world
+    kubelet = await up(api, tmp_path, "demo")
+    yield api, operator, labels, kubelet
+    assert BUG_PHRASE not in kubelet.stop()
+
+
 async def up(api: Api, tmp: Path, name: str, **spec: Any) -> Kubelet:
     status, body = await api.call("POST", BC_PATH, brokercluster(name, **spec))
     assert status in (200, 201), body
@@ -432,85 +443,81 @@ async def up(api: Api, tmp: Path, name: str, **spec: Any) -> Kubelet:
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_the_operator_creates_the_cluster_and_fails_over(
-    world: tuple[Api, Operator, Labels], tmp_path: Path
+    demo: tuple[Api, Operator, Labels, Kubelet],
 ) -> None:
-    api, _, labels = world
-    kubelet = await up(api, tmp_path, "demo")
-    try:
-        # Every object the builders describe is there, owned by the BrokerCluster.
-        for path in (
-            f"/api/v1/namespaces/{NS}/services/demo",
-            f"/api/v1/namespaces/{NS}/services/demo-members",
-            f"/api/v1/namespaces/{NS}/configmaps/demo-config",
-            f"/api/v1/namespaces/{NS}/secrets/demo-cluster-key",
-            f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo",
-            f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/demo",
-            f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/demo",
-            f"{LEASE_PATH}/demo",
-        ):
-            obj = await api.get(path)
-            assert obj is not None, f"{path} was not created"
-            if "leases" not in path:
-                owners = obj["metadata"].get("ownerReferences") or []
-                assert [o["name"] for o in owners] == ["demo"], path
-        bc = await api.get(f"{BC_PATH}/demo")
-        lease = await api.get(f"{LEASE_PATH}/demo")
-        primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
-        assert lease["spec"]["holderIdentity"] == primary
-        assert int(lease["spec"]["leaseTransitions"]) == epoch
-        assert sorted(bc["status"]["isr"]) == ["demo-0", "demo-1", "demo-2"]
-        assert bc["status"]["readyMembers"] == 3
-        conditions = {c["type"]: c for c in bc["status"]["conditions"]}
-        assert conditions["Available"]["status"] == "True"
-        assert conditions["FullyReplicated"]["status"] == "True"
-        BrokerClusterStatus.model_validate(bc["status"])  # what the CRD's schema describes
-        assert labels.labelled == {primary}
-        # The generated user works through the primary (where the Service would send it).
-        url = await kubelet.secret("demo-default-user", "url")
-        assert url.startswith("amqp://default:") and "@demo.test.svc:5672/" in url
-        port = kubelet.brokers[primary].amqp_port
-        params = pika.URLParameters(url.replace("demo.test.svc:5672", f"127.0.0.1:{port}"))
-        conn = await asyncio.to_thread(pika.BlockingConnection, params)
-        await asyncio.to_thread(conn.close)
+    api, _, labels, kubelet = demo
+    # Every object the builders describe is there, owned by the BrokerCluster.
+    for path in (
+        f"/api/v1/namespaces/{NS}/services/demo",
+        f"/api/v1/namespaces/{NS}/services/demo-members",
+        f"/api/v1/namespaces/{NS}/configmaps/demo-config",
+        f"/api/v1/namespaces/{NS}/secrets/demo-cluster-key",
+        f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo",
+        f"/apis/policy/v1/namespaces/{NS}/poddisruptionbudgets/demo",
+        f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/demo",
+        f"{LEASE_PATH}/demo",
+    ):
+        obj = await api.get(path)
+        assert obj is not None, f"{path} was not created"
+        if "leases" not in path:
+            owners = obj["metadata"].get("ownerReferences") or []
+            assert [o["name"] for o in owners] == ["demo"], path
+    bc = await api.get(f"{BC_PATH}/demo")
+    lease = await api.get(f"{LEASE_PATH}/demo")
+    primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
+    assert lease["spec"]["holderIdentity"] == primary
+    assert int(lease["spec"]["leaseTransitions"]) == epoch
+    assert sorted(bc["status"]["isr"]) == ["demo-0", "demo-1", "demo-2"]
+    assert bc["status"]["readyMembers"] == 3
+    conditions = {c["type"]: c for c in bc["status"]["conditions"]}
+    assert conditions["Available"]["status"] == "True"
+    assert conditions["FullyReplicated"]["status"] == "True"
+    BrokerClusterStatus.model_validate(bc["status"])  # what the CRD's schema describes
+    assert labels.labelled == {primary}
+    # The generated user works through the primary (where the Service would send it).
+    url = await kubelet.secret("demo-default-user", "url")
+    assert url.startswith("amqp://default:") and "@demo.test.svc:5672/" in url
+    port = kubelet.brokers[primary].amqp_port
+    params = pika.URLParameters(url.replace("demo.test.svc:5672", f"127.0.0.1:{port}"))
+    conn = await asyncio.to_thread(pika.BlockingConnection, params)
+    await asyncio.to_thread(conn.close)
 
-        # The primary's pod goes: the label moves to another member within half a second.
-        moves = len(labels.onto)
-        deleted_at = await kubelet.lose_pod(primary)
-        bc = await api.until(
-            BC_PATH,
-            lambda o: (
-                (o.get("status") or {}).get("epoch") == epoch + 1
-                and (o["status"].get("lastFailover") or {}).get("to") not in (None, primary)
-            ),
-            "a failover in the status",
-        )
-        new = bc["status"]["primary"]
-        assert new != primary and new in ("demo-0", "demo-1", "demo-2")
-        labelled_at, onto = next(m for m in labels.onto[moves:])
-        assert onto == new
-        took = labelled_at - deleted_at
-        print(f"role label moved {primary} -> {new} {took * 1000:.0f} ms after the deletion")
-        assert took < 0.5, f"the label moved {took:.3f} s after the primary pod's deletion"
-        assert labels.most_at_once == 1, "two pods carried the role label at once"
-        failover = bc["status"]["lastFailover"]
-        assert failover["from"] == primary and "down" in failover["reason"]
-        lease = await api.get(f"{LEASE_PATH}/demo")
-        assert lease["spec"]["holderIdentity"] == new
-        assert int(lease["spec"]["leaseTransitions"]) == epoch + 1
-        events = (await api.get(f"/api/v1/namespaces/{NS}/events"))["items"]
-        said = [e["message"] for e in events if e.get("reason") == "Failover"]
-        assert any(new in m and primary in m for m in said), said
+    # The primary's pod goes: the label moves to another member within half a second.
+    moves = len(labels.onto)
+    deleted_at = await kubelet.lose_pod(primary)
+    bc = await api.until(
+        BC_PATH,
+        lambda o: (
+            (o.get("status") or {}).get("epoch") == epoch + 1
+            and (o["status"].get("lastFailover") or {}).get("to") not in (None, primary)
+        ),
+        "a failover in the status",
+    )
+    new = bc["status"]["primary"]
+    assert new != primary and new in ("demo-0", "demo-1", "demo-2")
+    labelled_at, onto = next(m for m in labels.onto[moves:])
+    assert onto == new
+    took = labelled_at - deleted_at
+    print(f"role label moved {primary} -> {new} {took * 1000:.0f} ms after the deletion")
+    assert took < 0.5, f"the label moved {took:.3f} s after the primary pod's deletion"
+    assert labels.most_at_once == 1, "two pods carried the role label at once"
+    failover = bc["status"]["lastFailover"]
+    assert failover["from"] == primary and "down" in failover["reason"]
+    lease = await api.get(f"{LEASE_PATH}/demo")
+    assert lease["spec"]["holderIdentity"] == new
+    assert int(lease["spec"]["leaseTransitions"]) == epoch + 1
+    events = (await api.get(f"/api/v1/namespaces/{NS}/events"))["items"]
+    said = [e["message"] for e in events if e.get("reason") == "Failover"]
+    assert any(new in m and primary in m for m in said), said
 
-        # The member comes back (the StatefulSet recreates the pod) and rejoins the ISR.
-        await kubelet.run_pod(int(primary.rsplit("-", 1)[1]))
-        await api.until(
-            BC_PATH,
-            lambda o: len((o.get("status") or {}).get("isr") or []) == 3,
-            "the returned member back in the ISR",
-        )
-        assert labels.labelled == {new}
-    finally:
-        assert BUG_PHRASE not in kubelet.stop()
+    # The member comes back (the StatefulSet recreates the pod) and rejoins the ISR.
+    await kubelet.run_pod(int(primary.rsplit("-", 1)[1]))
+    await api.until(
+        BC_PATH,
+        lambda o: len((o.get("status") or {}).get("isr") or []) == 3,
+        "the returned member back in the ISR",
+    )
+    assert labels.labelled == {new}
 
 
 async def _fence(broker: Broker, key: str, epoch: int) -> None:
@@ -521,104 +528,92 @@ async def _fence(broker: Broker, key: str, epoch: int) -> None:
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_an_operator_restarted_mid_failover_completes_it(
-    world: tuple[Api, Operator, Labels], tmp_path: Path
+    demo: tuple[Api, Operator, Labels, Kubelet],
 ) -> None:
-    api, operator, labels = world
-    kubelet = await up(api, tmp_path, "demo")
-    try:
-        bc = await api.get(f"{BC_PATH}/demo")
-        primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
-        # The operator dies after the first step of a failover: it fenced the backups at the
-        # next epoch (done here as it would have), then the primary's pod went.
-        await operator.kill()
-        _, key, _ = await kubelet.settings()
-        backups = [n for n in kubelet.brokers if n != primary]
-        for node in backups:
-            await _fence(kubelet.brokers[node], key, epoch + 1)
-        await kubelet.lose_pod(primary)
-        await operator.start()
-        bc = await api.until(
-            BC_PATH,
-            lambda o: (
-                (o.get("status") or {}).get("primary") in backups
-                and o["status"].get("epoch") == epoch + 1
-            ),
-            "the failover completed by the restarted operator",
-        )
-        lease = await api.get(f"{LEASE_PATH}/demo")
-        assert lease["spec"]["holderIdentity"] == bc["status"]["primary"]
-        assert int(lease["spec"]["leaseTransitions"]) == epoch + 1
-        await api.until(
-            PODS_PATH,
-            lambda o: (
-                o["metadata"]["name"] == bc["status"]["primary"]
-                and (o["metadata"].get("labels") or {}).get(ROLE) == "primary"
-            ),
-            "the role label on the new primary",
-        )
-        assert labels.most_at_once == 1
-    finally:
-        assert BUG_PHRASE not in kubelet.stop()
+    api, operator, labels, kubelet = demo
+    bc = await api.get(f"{BC_PATH}/demo")
+    primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
+    # The operator dies after the first step of a failover: it fenced the backups at the
+    # next epoch (done here as it would have), then the primary's pod went.
+    await operator.kill()
+    _, key, _ = await kubelet.settings()
+    backups = [n for n in kubelet.brokers if n != primary]
+    for node in backups:
+        await _fence(kubelet.brokers[node], key, epoch + 1)
+    await kubelet.lose_pod(primary)
+    await operator.start()
+    bc = await api.until(
+        BC_PATH,
+        lambda o: (
+            (o.get("status") or {}).get("primary") in backups
+            and o["status"].get("epoch") == epoch + 1
+        ),
+        "the failover completed by the restarted operator",
+    )
+    lease = await api.get(f"{LEASE_PATH}/demo")
+    assert lease["spec"]["holderIdentity"] == bc["status"]["primary"]
+    assert int(lease["spec"]["leaseTransitions"]) == epoch + 1
+    await api.until(
+        PODS_PATH,
+        lambda o: (
+            o["metadata"]["name"] == bc["status"]["primary"]
+            and (o["metadata"].get("labels") or {}).get(ROLE) == "primary"
+        ),
+        "the role label on the new primary",
+    )
+    assert labels.most_at_once == 1
 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_a_paused_cluster_is_not_failed_over_until_resumed(
-    world: tuple[Api, Operator, Labels], tmp_path: Path
+    demo: tuple[Api, Operator, Labels, Kubelet],
 ) -> None:
-    api, _, labels = world
-    kubelet = await up(api, tmp_path, "demo")
-    try:
-        bc = await api.get(f"{BC_PATH}/demo")
-        primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
-        pause = {"metadata": {"annotations": {"tandem.dev/paused": "true"}}}
-        status, body = await api.call("PATCH", f"{BC_PATH}/demo", pause)
-        assert status == 200, body
-        await api.until(BC_PATH, lambda o: o["status"]["phase"] == "Paused", "phase Paused")
-        await kubelet.lose_pod(primary)
-        # The loop saw the primary go (no primary in the status) and did not fail over.
-        await api.until(
-            BC_PATH,
-            lambda o: o["status"]["phase"] == "Paused" and o["status"].get("primary") is None,
-            "the loss seen while paused",
-        )
-        lease = await api.get(f"{LEASE_PATH}/demo")
-        assert lease["spec"]["holderIdentity"] == primary
-        assert int(lease["spec"]["leaseTransitions"]) == epoch
-        assert labels.labelled == set()  # the label left the lost pod; no one has it
-        resume = {"metadata": {"annotations": {"tandem.dev/paused": None}}}
-        status, body = await api.call("PATCH", f"{BC_PATH}/demo", resume)
-        assert status == 200, body
-        bc = await api.until(
-            BC_PATH,
-            lambda o: o["status"]["epoch"] == epoch + 1 and o["status"].get("primary") is not None,
-            "the failover once resumed",
-        )
-        assert bc["status"]["primary"] != primary
-    finally:
-        assert BUG_PHRASE not in kubelet.stop()
+    api, _, labels, kubelet = demo
+    bc = await api.get(f"{BC_PATH}/demo")
+    primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
+    pause = {"metadata": {"annotations": {"tandem.dev/paused": "true"}}}
+    status, body = await api.call("PATCH", f"{BC_PATH}/demo", pause)
+    assert status == 200, body
+    await api.until(BC_PATH, lambda o: o["status"]["phase"] == "Paused", "phase Paused")
+    await kubelet.lose_pod(primary)
+    # The loop saw the primary go (no primary in the status) and did not fail over.
+    await api.until(
+        BC_PATH,
+        lambda o: o["status"]["phase"] == "Paused" and o["status"].get("primary") is None,
+        "the loss seen while paused",
+    )
+    lease = await api.get(f"{LEASE_PATH}/demo")
+    assert lease["spec"]["holderIdentity"] == primary
+    assert int(lease["spec"]["leaseTransitions"]) == epoch
+    assert labels.labelled == set()  # the label left the lost pod; no one has it
+    resume = {"metadata": {"annotations": {"tandem.dev/paused": None}}}
+    status, body = await api.call("PATCH", f"{BC_PATH}/demo", resume)
+    assert status == 200, body
+    bc = await api.until(
+        BC_PATH,
+        lambda o: o["status"]["epoch"] == epoch + 1 and o["status"].get("primary") is not None,
+        "the failover once resumed",
+    )
+    assert bc["status"]["primary"] != primary
 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_scaling_down_takes_the_leaving_member_out_of_the_isr_first(
-    world: tuple[Api, Operator, Labels], tmp_path: Path
+    demo: tuple[Api, Operator, Labels, Kubelet],
 ) -> None:
-    api, _, _ = world
-    kubelet = await up(api, tmp_path, "demo")
-    try:
-        status, body = await api.call("PATCH", f"{BC_PATH}/demo", {"spec": {"replicas": 2}})
-        assert status == 200, body
-        await api.until(
-            f"/apis/apps/v1/namespaces/{NS}/statefulsets",
-            lambda o: o["spec"]["replicas"] == 2,
-            "the StatefulSet scaled to 2",
-        )
-        lease = await api.get(f"{LEASE_PATH}/demo")
-        isr = set(lease["metadata"]["annotations"]["tandem.dev/isr"].split(","))
-        assert "demo-2" not in isr and lease["spec"]["holderIdentity"] in isr
-    finally:
-        assert BUG_PHRASE not in kubelet.stop()
+    api, _, _, _ = demo
+    status, body = await api.call("PATCH", f"{BC_PATH}/demo", {"spec": {"replicas": 2}})
+    assert status == 200, body
+    await api.until(
+        f"/apis/apps/v1/namespaces/{NS}/statefulsets",
+        lambda o: o["spec"]["replicas"] == 2,
+        "the StatefulSet scaled to 2",
+    )
+    lease = await api.get(f"{LEASE_PATH}/demo")
+    isr = set(lease["metadata"]["annotations"]["tandem.dev/isr"].split(","))
+    assert "demo-2" not in isr and lease["spec"]["holderIdentity"] in isr
 
 
 @pytest.mark.asyncio
@@ -693,92 +688,84 @@ async def test_deleting_a_cluster_deletes_its_claims_when_retention_says_so(
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_a_terminating_primary_hands_over_in_its_prestop(
-    world: tuple[Api, Operator, Labels], tmp_path: Path
+    demo: tuple[Api, Operator, Labels, Kubelet],
 ) -> None:
     """A graceful pod deletion: the API server marks the pod, the kubelet runs the preStop
     (`tandem handover`, as the StatefulSet names it) and stops the container only after."""
-    api, _, labels = world
-    kubelet = await up(api, tmp_path, "demo")
-    try:
-        bc = await api.get(f"{BC_PATH}/demo")
-        primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
-        status, body = await api.call("DELETE", f"{PODS_PATH}/{primary}")
-        assert status == 200 and body["metadata"].get("deletionTimestamp"), body
-        sts = await api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo")
-        (container,) = sts["spec"]["template"]["spec"]["containers"]
-        command = container["lifecycle"]["preStop"]["exec"]["command"]
-        assert command[:2] == ["tandem", "handover"]
-        broker = kubelet.brokers[primary]
-        hook = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "tandem.cli",
-            *command[1:],
-            "--admin-port",  # this machine's port instead of the pod's
-            str(broker.admin_port),
-            "--key-file",
-            str(tmp_path / "cluster.key"),
-            stdout=asyncio.subprocess.PIPE,
-        )
-        out, _ = await asyncio.wait_for(hook.communicate(), 40)
-        assert hook.returncode == 0
-        assert b"this node is backup" in out, out
-        bc = await api.until(
-            BC_PATH,
-            lambda o: (
-                o["status"].get("epoch") == epoch + 1
-                and o["status"].get("primary") not in (None, primary)
-            ),
-            "the switchover in the status",
-        )
-        assert "switchover" in bc["status"]["lastFailover"]["reason"]
-        assert labels.labelled == {bc["status"]["primary"]} and labels.most_at_once == 1
-        # The kubelet stops the container and lets the pod go.
-        await asyncio.to_thread(broker.stop)
-        status, body = await api.call(
-            "PATCH", f"{PODS_PATH}/{primary}", {"metadata": {"finalizers": []}}
-        )
-        assert status == 200, body
-    finally:
-        assert BUG_PHRASE not in kubelet.stop()
+    api, _, labels, kubelet = demo
+    bc = await api.get(f"{BC_PATH}/demo")
+    primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
+    status, body = await api.call("DELETE", f"{PODS_PATH}/{primary}")
+    assert status == 200 and body["metadata"].get("deletionTimestamp"), body
+    sts = await api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["tandem", "handover"]
+    broker = kubelet.brokers[primary]
+    hook = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tandem.cli",
+        *command[1:],
+        "--admin-port",  # this machine's port instead of the pod's
+        str(broker.admin_port),
+        "--key-file",
+        str(kubelet.tmp / "cluster.key"),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await asyncio.wait_for(hook.communicate(), 40)
+    assert hook.returncode == 0
+    assert b"this node is backup" in out, out
+    bc = await api.until(
+        BC_PATH,
+        lambda o: (
+            o["status"].get("epoch") == epoch + 1
+            and o["status"].get("primary") not in (None, primary)
+        ),
+        "the switchover in the status",
+    )
+    assert "switchover" in bc["status"]["lastFailover"]["reason"]
+    assert labels.labelled == {bc["status"]["primary"]} and labels.most_at_once == 1
+    # The kubelet stops the container and lets the pod go.
+    await asyncio.to_thread(broker.stop)
+    status, body = await api.call(
+        "PATCH", f"{PODS_PATH}/{primary}", {"metadata": {"finalizers": []}}
+    )
+    assert status == 200, body
 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
 async def test_a_rolling_upgrade_restarts_backups_first_and_the_primary_last(
-    world: tuple[Api, Operator, Labels], tmp_path: Path
+    demo: tuple[Api, Operator, Labels, Kubelet],
 ) -> None:
-    api, _, labels = world
-    kubelet = await up(api, tmp_path, "demo")
-    try:
-        kubelet.run_pods()
-        bc = await api.get(f"{BC_PATH}/demo")
-        primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
-        # A new image: the StatefulSet controller computes a new revision (OnDelete: it
-        # replaces no pod itself).
-        status, body = await api.call(
-            "PATCH",
-            f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo",
-            {"status": {"updateRevision": "r2"}},
-        )
-        assert status == 200, body
-        bc = await api.until(
-            BC_PATH,
-            lambda o: (
-                len(kubelet.restarted) == 3
-                and o["status"].get("phase") == "Running"
-                and o["status"].get("epoch") == epoch + 1
-            ),
-            "every pod on the new revision, the cluster running",
-            timeout=120,
-        )
-        # Backups first; the primary last, and stopped only once it was primary no more.
-        assert [before for _, before, _ in kubelet.restarted] == ["backup", "backup", "primary"]
-        assert kubelet.restarted[-1][0] == primary
-        assert [stopped for _, _, stopped in kubelet.restarted] == ["backup"] * 3
-        assert "switchover" in bc["status"]["lastFailover"]["reason"]
-        assert labels.most_at_once == 1
-        pods = (await api.get(PODS_PATH))["items"]
-        assert {p["metadata"]["labels"]["controller-revision-hash"] for p in pods} == {"r2"}
-    finally:
-        assert BUG_PHRASE not in kubelet.stop()
+    api, _, labels, kubelet = demo
+    kubelet.run_pods()
+    bc = await api.get(f"{BC_PATH}/demo")
+    primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
+    # A new image: the StatefulSet controller computes a new revision (OnDelete: it
+    # replaces no pod itself).
+    status, body = await api.call(
+        "PATCH",
+        f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo",
+        {"status": {"updateRevision": "r2"}},
+    )
+    assert status == 200, body
+    bc = await api.until(
+        BC_PATH,
+        lambda o: (
+            len(kubelet.restarted) == 3
+            and o["status"].get("phase") == "Running"
+            and o["status"].get("epoch") == epoch + 1
+        ),
+        "every pod on the new revision, the cluster running",
+        timeout=120,
+    )
+    # Backups first; the primary last, and stopped only once it was primary no more.
+    assert [before for _, before, _ in kubelet.restarted] == ["backup", "backup", "primary"]
+    assert kubelet.restarted[-1][0] == primary
+    assert [stopped for _, _, stopped in kubelet.restarted] == ["backup"] * 3
+    assert "switchover" in bc["status"]["lastFailover"]["reason"]
+    assert labels.most_at_once == 1
+    pods = (await api.get(PODS_PATH))["items"]
+    assert {p["metadata"]["labels"]["controller-revision-hash"] for p in pods} == {"r2"}
