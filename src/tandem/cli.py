@@ -197,7 +197,8 @@ def _operator_run(args: argparse.Namespace) -> int:
     try:
         import kopf
 
-        from tandem.operator import handlers, kube
+        import tandem.operator.handlers  # noqa: F401 - importing it registers the handlers
+        from tandem.operator import kube
     except ImportError as exc:
         print(
             f"tandem: the operator needs {exc.name}: python3 -m pip install -e '.[operator]'",
@@ -213,7 +214,6 @@ def _operator_run(args: argparse.Namespace) -> int:
     except Exception as exc:  # the client raises several kinds for a missing or bad config
         print(f"tandem: no Kubernetes API to talk to: {exc}", file=sys.stderr)
         return 1
-    assert handlers.reconcile is not None  # importing the module registered the handlers
     kopf.run(
         standalone=True,  # one operator replica; the Deployment runs exactly one
         clusterwide=args.all_namespaces,

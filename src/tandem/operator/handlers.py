@@ -3,7 +3,8 @@
 - create, resume, update of a BrokerCluster: build every object from the typed spec and apply
   it (the cluster-key Secret only once: a key is never replaced); a scale-down first takes
   the leaving members out of the ISR (and the primary role off them);
-- a daemon per BrokerCluster runs its failover loop (`members.ClusterLoop`) on the Lease;
+- a daemon per BrokerCluster runs its failover loop (`members.ClusterLoop`) on the Lease,
+  and beside it the rolling upgrade (the StatefulSet updates OnDelete);
 - the pod watch hands every member pod's change to its cluster's loop at once;
 - delete: the finalizer deletes the members' volume claims when the retention says Delete.
 
