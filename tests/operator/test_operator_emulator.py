@@ -600,10 +600,23 @@ async def test_a_paused_cluster_is_not_failed_over_until_resumed(
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(180)
-async def test_scaling_down_takes_the_leaving_member_out_of_the_isr_first(
+async def test_scaling_up_adds_a_member_and_down_takes_it_out_of_the_isr_first(
     demo: tuple[Api, Operator, Labels, Kubelet],
 ) -> None:
-    api, _, _, _ = demo
+    api, _, _, kubelet = demo
+    status, body = await api.call("PATCH", f"{BC_PATH}/demo", {"spec": {"replicas": 4}})
+    assert status == 200, body
+    await api.until(
+        f"/apis/apps/v1/namespaces/{NS}/statefulsets",
+        lambda o: o["spec"]["replicas"] == 4,
+        "the StatefulSet scaled to 4",
+    )
+    await kubelet.run_pod(3)  # the StatefulSet controller's new pod
+    await api.until(
+        BC_PATH,
+        lambda o: len(o["status"].get("isr") or []) == 4 and o["status"]["readyMembers"] == 4,
+        "the new member caught up and in the ISR",
+    )
     status, body = await api.call("PATCH", f"{BC_PATH}/demo", {"spec": {"replicas": 2}})
     assert status == 200, body
     await api.until(
@@ -613,7 +626,7 @@ async def test_scaling_down_takes_the_leaving_member_out_of_the_isr_first(
     )
     lease = await api.get(f"{LEASE_PATH}/demo")
     isr = set(lease["metadata"]["annotations"]["tandem.dev/isr"].split(","))
-    assert "demo-2" not in isr and lease["spec"]["holderIdentity"] in isr
+    assert not {"demo-2", "demo-3"} & isr and lease["spec"]["holderIdentity"] in isr
 
 
 @pytest.mark.asyncio
