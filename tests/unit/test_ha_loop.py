@@ -12,6 +12,7 @@ import pytest
 from tandem.ha.decide import Action
 from tandem.ha.loop import BUG, Controller
 from tandem.ha.model import ElectionRecord, Liveness, Member, Position, Role, Settings
+from tandem.ha.ports import Unavailable
 
 
 class Store:
@@ -40,11 +41,15 @@ class Cluster:
         self.members = {m.node: m for m in members}
         self.calls: list[tuple[str, ...]] = []
         self.fail_next_observe = False
+        self.unavailable_next_observe = False
 
     async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
         if self.fail_next_observe:
             self.fail_next_observe = False
             raise RuntimeError("observer broke")
+        if self.unavailable_next_observe:
+            self.unavailable_next_observe = False
+            raise Unavailable("the API server did not answer")
         return tuple(self.members.values())
 
     def _set(self, node: str, **changes: object) -> None:
@@ -206,3 +211,14 @@ def test_a_paused_controller_decides_but_fails_nobody_over() -> None:
     c.paused = False
     asyncio.run(turns_until_hold(c))
     assert store.record.holder == "b"
+
+
+def test_an_unreachable_world_is_a_warning_not_a_bug(caplog: pytest.LogCaptureFixture) -> None:
+    store, cluster = healthy()
+    cluster.unavailable_next_observe = True
+    c = controller(store, cluster)
+    turns = iter([False, False, True])
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(c.run(type("Stop", (), {"is_set": lambda self: next(turns)})()))
+    assert "did not answer" in caplog.text and BUG not in caplog.text
+    assert ("renew", "a") in cluster.calls

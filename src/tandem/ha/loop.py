@@ -14,7 +14,7 @@ from typing import Protocol
 from tandem.ha import decide as decide_mod
 from tandem.ha.decide import Action, Decision
 from tandem.ha.model import ElectionRecord, Settings, View
-from tandem.ha.ports import Actuator, Clock, ElectionStore, Observer
+from tandem.ha.ports import Actuator, Clock, ElectionStore, Observer, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,9 @@ class Controller:
         while not stopped.is_set():
             try:
                 d = await self.turn()
+            except Unavailable as exc:
+                log.warning("cluster=%s cannot look or act this turn: %s", self.cluster, exc)
+                d = None
             except Exception:
                 log.exception("cluster=%s %s", self.cluster, BUG)
                 d = None

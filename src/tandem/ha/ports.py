@@ -8,6 +8,11 @@ from typing import Protocol
 from tandem.ha.model import ElectionRecord, Member
 
 
+class Unavailable(Exception):
+    """A port could not reach what it stands for (an API server, a file system) this turn;
+    the loop says so and tries again next turn, rather than report a bug."""
+
+
 class ElectionStore(Protocol):
     async def read(self) -> ElectionRecord: ...
 

@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import kubernetes
+import urllib3
 
+from tandem.ha.ports import Unavailable
 from tandem.operator import lease as lease_mod
 
 log = logging.getLogger(__name__)
@@ -42,9 +44,12 @@ PLURALS = {
 MERGE_PATCH = "application/merge-patch+json"
 
 
-class ApiError(Exception):
+class ApiError(Unavailable):
+    """The API server refused a call (its status and answer), or did not answer (status 0)."""
+
     def __init__(self, status: int, text: str) -> None:
-        super().__init__(f"Kubernetes API answered {status}: {text}")
+        said = f"answered {status}" if status else "did not answer"
+        super().__init__(f"the Kubernetes API {said}: {text}")
         self.status = status
 
 
@@ -94,6 +99,8 @@ class Kube:
             if exc.status == 409:
                 raise lease_mod.Conflict(exc.body) from None
             raise ApiError(exc.status, str(exc.body or exc.reason)) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:  # no answer at all
+            raise ApiError(0, str(exc)) from None
         return data if isinstance(data, dict) else {}
 
     async def _call(
