@@ -249,24 +249,32 @@ class Kubelet:
                 if meta.get("deletionTimestamp") and KUBELET in (meta.get("finalizers") or []):
                     await self._terminate(meta["name"])
 
-    async def _terminate(self, node: str) -> None:
-        broker = self.brokers[node]
-        role_before = (await asyncio.to_thread(broker.status))["role"]
+    async def prestop(self, node: str) -> tuple[int, bytes]:
+        """Run the preStop hook the StatefulSet names, for this machine's broker of `node`;
+        its exit code and output."""
         sts = await self.api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/{self.name}")
         (container,) = sts["spec"]["template"]["spec"]["containers"]
         hook = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert hook[:2] == ["tandem", "handover"]
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "tandem.cli",
             *hook[1:],
             "--admin-port",  # this machine's port instead of the pod's
-            str(broker.admin_port),
+            str(self.brokers[node].admin_port),
             "--key-file",
             str(self.tmp / "cluster.key"),
-            stdout=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
         )
-        await proc.wait()
+        out, _ = await asyncio.wait_for(proc.communicate(), 40)
+        assert proc.returncode is not None
+        return proc.returncode, out
+
+    async def _terminate(self, node: str) -> None:
+        broker = self.brokers[node]
+        role_before = (await asyncio.to_thread(broker.status))["role"]
+        await self.prestop(node)
         role = (await asyncio.to_thread(broker.status))["role"]
         await asyncio.to_thread(broker.stop)
         status, body = await self.api.call(
@@ -381,6 +389,7 @@ async def world(
     assert BUG_PHRASE not in operator.log(), operator.log()
     # Everything the operator asked of the API, its ClusterRole allows (least privilege
     # that is still enough: a missing verb would fail in a real cluster, not here).
+    (role,) = [o for o in chart_objects() if o["kind"] == "ClusterRole"]
     denied = {
         f"{verb} {plural} ({group or 'core'})"
         for request in kmock
@@ -388,7 +397,7 @@ async def world(
         and request.resource is not None
         and request.resource.plural
         for verb, group, plural in [_verb_of(request)]
-        if not _allowed(verb, group, plural)
+        if not _allowed(role["rules"], verb, group, plural)
     }
     assert not denied, f"the operator's ClusterRole lacks {sorted(denied)}"
 
@@ -406,11 +415,10 @@ def _verb_of(request: kmock.Request) -> tuple[str, str, str]:
     return verb.get(action, action), request.resource.group or "", plural
 
 
-def _allowed(verb: str, group: str, plural: str) -> bool:
-    (role,) = [o for o in chart_objects() if o["kind"] == "ClusterRole"]
+def _allowed(rules: list[dict[str, Any]], verb: str, group: str, plural: str) -> bool:
     return any(
         group in rule["apiGroups"] and plural in rule["resources"] and verb in rule["verbs"]
-        for rule in role["rules"]
+        for rule in rules
     )
 
 
@@ -710,24 +718,8 @@ async def test_a_terminating_primary_hands_over_in_its_prestop(
     primary, epoch = bc["status"]["primary"], bc["status"]["epoch"]
     status, body = await api.call("DELETE", f"{PODS_PATH}/{primary}")
     assert status == 200 and body["metadata"].get("deletionTimestamp"), body
-    sts = await api.get(f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo")
-    (container,) = sts["spec"]["template"]["spec"]["containers"]
-    command = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert command[:2] == ["tandem", "handover"]
-    broker = kubelet.brokers[primary]
-    hook = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tandem.cli",
-        *command[1:],
-        "--admin-port",  # this machine's port instead of the pod's
-        str(broker.admin_port),
-        "--key-file",
-        str(kubelet.tmp / "cluster.key"),
-        stdout=asyncio.subprocess.PIPE,
-    )
-    out, _ = await asyncio.wait_for(hook.communicate(), 40)
-    assert hook.returncode == 0
+    code, out = await kubelet.prestop(primary)
+    assert code == 0
     assert b"this node is backup" in out, out
     bc = await api.until(
         BC_PATH,
@@ -740,7 +732,7 @@ async def test_a_terminating_primary_hands_over_in_its_prestop(
     assert "switchover" in bc["status"]["lastFailover"]["reason"]
     assert labels.labelled == {bc["status"]["primary"]} and labels.most_at_once == 1
     # The kubelet stops the container and lets the pod go.
-    await asyncio.to_thread(broker.stop)
+    await asyncio.to_thread(kubelet.brokers[primary].stop)
     status, body = await api.call(
         "PATCH", f"{PODS_PATH}/{primary}", {"metadata": {"finalizers": []}}
     )
