@@ -151,45 +151,24 @@ def audit(rows: DataFrame, max_lag_records: int, max_lag_seconds: float) -> Data
 
     # The primary itself, and members that stop at a member-level status: one row for each
     # queue the primary has now (or one without a queue).
-    primary_rows = (
-        members(rows)
-        .join(who, is_primary)
-        .crossJoin(ref)
-        .join(p_now, how="left")
-        .select(
-            "node",
-            "role",
-            "vhost",
-            "queue",
-            F.lit("OK").alias("status"),
-            F.col("pl.epoch").alias("epoch"),
-            F.col("pl.position").alias("position"),
-            F.col("pl.time").alias("checkpoint_time"),
-            F.lit(0).cast("long").alias("lag_records"),
-            F.lit(0.0).alias("lag_seconds"),
-            "primary_depth",
-            F.col("primary_depth").alias("depth"),
-            F.lit("the primary").alias("detail"),
-        )
+    primary_rows = _result(
+        members(rows).join(who, is_primary).crossJoin(ref).join(p_now, how="left"),
+        status=F.lit("OK"),
+        epoch=F.col("pl.epoch"),
+        position=F.col("pl.position"),
+        checkpoint_time=F.col("pl.time"),
+        lag_records=F.lit(0).cast("long"),
+        lag_seconds=F.lit(0.0),
+        depth=F.col("primary_depth"),
+        detail=F.lit("the primary"),
     )
-    stopped = (
-        state.where(F.col("member_status").isNotNull())
-        .join(p_now, how="left")
-        .select(
-            "node",
-            "role",
-            "vhost",
-            "queue",
-            F.col("member_status").alias("status"),
-            F.col("c.epoch").alias("epoch"),
-            F.col("c.position").alias("position"),
-            F.col("c.time").alias("checkpoint_time"),
-            "lag_records",
-            "lag_seconds",
-            "primary_depth",
-            F.lit(None).cast("long").alias("depth"),
-            "detail",
-        )
+    stopped = _result(
+        state.where(F.col("member_status").isNotNull()).join(p_now, how="left"),
+        status=F.col("member_status"),
+        epoch=F.col("c.epoch"),
+        position=F.col("c.position"),
+        checkpoint_time=F.col("c.time"),
+        depth=F.lit(None).cast("long"),
     )
 
     # The others, queue by queue at the checkpoint they have in common with the primary.
@@ -219,27 +198,19 @@ def audit(rows: DataFrame, max_lag_records: int, max_lag_seconds: float) -> Data
         )
         .otherwise("OK")
     )
-    compared_rows = (
+    compared_rows = _result(
         compared.join(side_by_side, "node", "left")
         .withColumn("status", queue_status)
-        .withColumn("detail", _queue_detail())
-        .select(
-            "node",
-            "role",
-            "vhost",
-            "queue",
-            "status",
-            F.col("c_epoch").alias("epoch"),
-            F.col("c_position").alias("position"),
-            "checkpoint_time",
-            "lag_records",
-            "lag_seconds",
-            "primary_depth",
-            "depth",
-            "detail",
-        )
+        .withColumn("detail", _queue_detail()),
+        epoch=F.col("c_epoch"),
+        position=F.col("c_position"),
     )
-    return primary_rows.unionByName(stopped).unionByName(compared_rows).select(*COLUMNS)
+    return primary_rows.unionByName(stopped).unionByName(compared_rows)
+
+
+def _result(frame: DataFrame, **given: Column) -> DataFrame:
+    """The result's COLUMNS, in order: those `given` as expressions, the rest by name."""
+    return frame.select(*[given[c].alias(c) if c in given else F.col(c) for c in COLUMNS])
 
 
 def _member_detail() -> Column:
