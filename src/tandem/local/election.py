@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from tandem.ha.model import ElectionRecord
@@ -42,13 +43,7 @@ class FileElectionStore:
             try:
                 if self._read().version != expected.version:
                     return None
-                stored = ElectionRecord(
-                    holder=new.holder,
-                    epoch=new.epoch,
-                    isr=new.isr,
-                    version=expected.version + 1,
-                    tracking=new.tracking,
-                )
+                stored = replace(new, version=expected.version + 1)
                 tmp = self.path.with_name("election.json.tmp")
                 with open(tmp, "w") as f:
                     json.dump(stored.to_dict(), f)

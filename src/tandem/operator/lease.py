@@ -11,6 +11,7 @@ a port (`LeaseApi`); the module that talks to Kubernetes implements it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Protocol
 
 from tandem.ha.model import ElectionRecord
@@ -76,13 +77,7 @@ class LeaseElectionStore:
     async def compare_and_set(
         self, expected: ElectionRecord, new: ElectionRecord
     ) -> ElectionRecord | None:
-        stored = ElectionRecord(
-            holder=new.holder,
-            epoch=new.epoch,
-            isr=new.isr,
-            version=expected.version + 1,
-            tracking=new.tracking,
-        )
+        stored = replace(new, version=expected.version + 1)
         body = body_of(self.name, self.namespace, stored)
         lease = await self.api.read(self.name, self.namespace)
         try:
