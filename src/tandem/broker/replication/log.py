@@ -209,6 +209,10 @@ class BrokerLog:
     def _take(self, data: bytes) -> None:
         rtype, epoch, offset, durable = records.head(data)
         payload = records.payload(data)
+        # A definition's or a checkpoint's JSON, read once for the store and the hooks.
+        rec = (
+            records.json_payload(payload) if rtype in (records.DEFINE, records.CHECKPOINT) else None
+        )
         sequencer, store = self.sequencer, self.store
         bounds = sequencer.boundaries
         if store is not None and (not bounds or bounds[-1][0] != epoch):
@@ -217,19 +221,17 @@ class BrokerLog:
             key = None
             if rtype in (records.ENQUEUE, records.DEQUEUE):
                 key = records.read_key(payload)
-            elif rtype == records.DEFINE:
-                rec = records.json_payload(payload)
-                if rec["op"] == "queue.delete":
-                    store.forget_queue(rec["vhost"], rec["body"]["name"])
+            elif rec is not None and rec["op"] == "queue.delete":
+                store.forget_queue(rec["vhost"], rec["body"]["name"])
             store.write(rtype, offset, data, key)
         try:
             if not self._dropped(rtype, payload):
                 apply.apply(self.broker, rtype, payload)
         except ValueError as exc:
             log.error("record (%d, %d) from the primary not applied: %s", epoch, offset, exc)
-        if rtype == records.CHECKPOINT:
-            self.on_checkpoint(epoch, offset, records.json_payload(payload).get("body") or {})
-        elif rtype == records.DEFINE and records.json_payload(payload).get("op") == "auth":
+        if rtype == records.CHECKPOINT and rec is not None:
+            self.on_checkpoint(epoch, offset, rec.get("body") or {})
+        elif rec is not None and rec.get("op") == "auth":
             self.on_auth()
         sequencer.follow(epoch, offset)
         self.keep(offset, data)
