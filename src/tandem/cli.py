@@ -61,10 +61,7 @@ def _broker(args: argparse.Namespace) -> int:
     except errors.ConfigError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
-    except errors.TandemError as exc:
-        print(f"tandem: cannot start: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
+    except (errors.TandemError, OSError) as exc:
         print(f"tandem: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -98,13 +95,7 @@ def _cluster_up(args: argparse.Namespace) -> int:
     )
     try:
         asyncio.run(cluster_mod.up(cluster))
-    except errors.TandemError as exc:
-        print(f"tandem: cannot start the cluster: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"tandem: cannot start the cluster: {exc}", file=sys.stderr)
-        return 1
-    except RuntimeError as exc:
+    except (errors.TandemError, OSError, RuntimeError) as exc:
         print(f"tandem: cannot start the cluster: {exc}", file=sys.stderr)
         return 1
     return 0
