@@ -8,12 +8,14 @@ ARG BASE=docker.io/library/python:3.11-slim-bookworm
 
 FROM ${BASE} AS build
 RUN python3 -m venv /opt/tandem
-COPY pyproject.toml README.md /src/
+COPY pyproject.toml README.md constraints.txt /src/
 COPY src /src/src
-RUN /opt/tandem/bin/pip install --no-cache-dir --disable-pip-version-check "/src[operator]"
+RUN /opt/tandem/bin/pip install --no-cache-dir --disable-pip-version-check \
+    -c /src/constraints.txt "/src[operator]"
 
 FROM build AS build-audit
-RUN /opt/tandem/bin/pip install --no-cache-dir --disable-pip-version-check "/src[operator,audit]"
+RUN /opt/tandem/bin/pip install --no-cache-dir --disable-pip-version-check \
+    -c /src/constraints.txt "/src[operator,audit]"
 
 # The audit: Spark's driver and executors on Kubernetes (a SparkApplication), or local mode.
 # (Before the default target: a build without --target makes the last stage, `tandem`.)

@@ -192,7 +192,8 @@ def _operator_run(args: argparse.Namespace) -> int:
         from tandem.operator import kube
     except ImportError as exc:
         print(
-            f"tandem: the operator needs {exc.name}: python3 -m pip install -e '.[operator]'",
+            f"tandem: the operator needs {exc.name}: "
+            "python3 -m pip install -c constraints.txt -e '.[operator]'",
             file=sys.stderr,
         )
         return 1
@@ -220,7 +221,7 @@ def _audit(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(
             f"tandem audit needs {exc.name}, which is not installed: "
-            "python3 -m pip install -e '.[audit]' (Java 17 or later too)",
+            "python3 -m pip install -c constraints.txt -e '.[audit]' (Java 17 or later too)",
             file=sys.stderr,
         )
         return 2

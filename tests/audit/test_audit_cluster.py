@@ -179,7 +179,7 @@ def test_without_pyspark_the_command_says_how_to_install_it() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 2
-    assert "python3 -m pip install -e '.[audit]'" in out.stderr
+    assert "python3 -m pip install -c constraints.txt -e '.[audit]'" in out.stderr
 
 
 def test_the_parser_takes_every_documented_option() -> None:

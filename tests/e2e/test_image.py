@@ -95,3 +95,26 @@ def test_the_image_runs_the_broker_as_a_non_root_user_and_answers_amqp(
     config = json.loads(inspect)
     assert config["Entrypoint"] == ["tandem"] and config["User"] == "10001"
     assert "/var/lib/tandem" in config["Volumes"]
+
+
+@pytest.mark.timeout(900)
+def test_the_image_installs_the_versions_the_tests_run_on(image: str) -> None:
+    freeze = subprocess.run(
+        [
+            *(*RUN, "run", "--rm", "--entrypoint", "/opt/tandem/bin/python", image),
+            *("-m", "pip", "freeze", "--exclude-editable"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    pinned = dict(
+        line.split("==", 1)
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    inside = dict(line.split("==", 1) for line in freeze.splitlines() if "==" in line)
+    assert {"kopf", "kubernetes", "pamqp", "pydantic"} <= inside.keys()
+    differ = {n: (pinned.get(n), v) for n, v in inside.items() if pinned.get(n) != v}
+    assert not differ, f"the image's versions differ from constraints.txt: {differ}"

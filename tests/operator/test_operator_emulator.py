@@ -6,8 +6,9 @@ the operator created it starts a real `tandem broker` (with the operator's Confi
 cluster-key Secret) and posts the Pod, running, with the broker's address. The operator then
 elects, labels, fails over and reports through the API as it would in a cluster.
 
-What a real API server adds (resourceVersion conflicts) is covered against a fake that
-refuses stale writes (tests/unit/test_operator_lease.py).
+The emulator is kmock's with the API server's resourceVersions (tests/operator/emulator.py):
+kopf 1.44+ patches with a JSON-patch test of the resourceVersion, and the operator's Lease
+compare-and-set carries the version it read.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ import yaml
 
 from tandem.operator import builders
 from tandem.operator.spec import BrokerClusterStatus
+from tests.operator.emulator import Emulator
 from tests.support import BUG_PHRASE, Broker, chart_objects
+
+pytestmark = pytest.mark.kmock(cls=Emulator)
 
 NS = "test"
 BC_PATH = f"/apis/tandem.dev/v1alpha1/namespaces/{NS}/brokerclusters"
