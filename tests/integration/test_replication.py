@@ -432,3 +432,56 @@ def test_a_follower_that_stops_reading_is_cut_off(cluster: Cluster) -> None:
             ch.basic_publish("", "big", body, pika.BasicProperties(delivery_mode=2))
         conn.close()
         assert "member slow is" in a.log() and "disconnecting it" in a.log()
+
+
+def test_a_stale_primarys_messages_never_pass_for_the_new_primarys_at_the_same_offset(
+    cluster: Cluster,
+) -> None:
+    """Issue 14, problem 0. A paused primary comes back and a client still connected to it
+    writes; the new primary wrote other (confirmed) messages at the same offsets in its own
+    epoch. Message ids are (epoch, offset), so when the old primary rejoins, the difference
+    replaces its stale messages with the confirmed ones; promoted later, it has every
+    confirmed message and none of the stale ones. (With ids by offset alone it kept the
+    stale ones and lost the confirmed.)"""
+    a, b = cluster.add("a", isr_min=1), cluster.add("b", isr_min=1)
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 5)
+    b.kill()
+    cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a"])})
+    publish(a, "q", 3, start=900)  # the stale writer: b never sees these
+    a.kill()
+    b.start()
+    cluster.ha("b", "fence", {"epoch": 2})
+    cluster.promote("b", 2, ["b"])
+    publish(b, "q", 3, start=100)  # confirmed, at the offsets a used for 900..902
+    a.start()
+    cluster.follow("a", "b", 2)
+    cluster.ha("b", "record", {"record": cluster.record("b", 2, ["a", "b"])})
+    publish(b, "q", 1, start=103)  # confirmed once a holds it too
+    b.kill()
+    cluster.ha("a", "fence", {"epoch": 3})
+    cluster.promote("a", 3, ["a"])
+    assert drain(a, "q") == [0, 1, 2, 3, 4, 100, 101, 102, 103]
+
+
+def test_server_named_queues_replicate_and_confirms_go_on(cluster: Cluster) -> None:
+    """Issue 14, problem 2: a server-named queue (amq.gen-…) once failed to apply on every
+    backup, in a loop, and froze every confirm in the cluster."""
+    a, b = cluster.add("a", isr_min=2), cluster.add("b", isr_min=2)
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    conn = pika.BlockingConnection(pika.URLParameters(a.url()))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    names = [
+        ch.queue_declare("", durable=True).method.queue,
+        ch.queue_declare("", exclusive=True, arguments={"x-tandem-replicate": "all"}).method.queue,
+        ch.queue_declare("", auto_delete=True).method.queue,
+    ]
+    for name in names:
+        ch.basic_publish("", name, b"m", pika.BasicProperties(delivery_mode=2))  # confirmed
+    held = {q["name"]: q["depth"] for q in b.status()["queues"]}
+    assert all(held.get(name) == 1 for name in names), held
+    conn.close()
+    assert not b.status()["not_applied"]

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from tandem import errors
 from tandem.broker import admin, server
 from tandem.broker.config import Config
-from tandem.broker.model import definitions
+from tandem.broker.model import apply, definitions
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.spec import UserSpec
@@ -133,6 +133,7 @@ class Node:
         )
         self.blocked_reason: str | None = None
         self.alarms: dict[str, str] = {}
+        self.not_applied: list[str] = []  # records recovery could not apply (a bug)
         self.reply_to: dict[str, channel_mod.Consumer] = {}
         self.connections: set[server.AMQPProtocol] = set()
         self.ready = False
@@ -252,6 +253,10 @@ class Node:
     def promoted(self, epoch: int) -> None:
         log.warning("node %s is primary of epoch %d", self.cfg.node_id, epoch)
         self.role, self.refusal = "primary", None
+        # Exclusive queues copied from the old primary: their owners' connections were there.
+        dropped = apply.drop_exclusive(self.broker)
+        if dropped:
+            log.info("exclusive queues gone with the old primary: %s", ", ".join(dropped))
 
     def demoted(self, epoch: int) -> None:
         self.role = "backup"
@@ -314,6 +319,13 @@ class Node:
             "alarms": dict(self.alarms),
             "store": self.store.stats() if self.store is not None else None,
             "queues": queues,
+            # Records that could not be applied (a bug; see model/apply.py): at recovery,
+            # and (on a backup) from the primary's stream, the last few.
+            "not_applied": self.not_applied
+            + [
+                f"{e}:{o} {what}"
+                for e, o, what in (self.member.log.not_applied if self.member is not None else [])
+            ],
         }
         if self.member is not None:
             out.update(self.member.status())
@@ -367,6 +379,12 @@ class Node:
                 result.messages,
                 self.cfg.data_dir,
             )
+            self.not_applied = list(result.not_applied)
+            if result.exclusive_dropped:
+                log.info(
+                    "exclusive queues gone with their connections: %s",
+                    ", ".join(result.exclusive_dropped),
+                )
         if self.cluster_key is None:
             # A lone node that (re)starts serving is a new primary term: nothing it records
             # now can share a position with a record of an earlier life that did not reach

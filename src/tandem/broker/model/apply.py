@@ -2,9 +2,19 @@
 
 A record states what the primary decided (a message entered or left a queue, a queue was
 declared); applying it never decides again: no routing, no length limit, no expiry, no
-dead-lettering. The caller holds the model's journal in `applying` mode, so nothing applied
-is recorded a second time, and calls `done` when it stops applying (the queues drop the index
-by message id that applying keeps).
+dead-lettering, and no check a client can fail (names, reserved prefixes, arguments,
+equivalence): those ran once, at the primary's protocol edge, before the record existed.
+Apply makes the decided fact so, through the model's `create_*` methods, which check nothing.
+A declaration of a queue or exchange that exists with other properties replaces it (a copy
+restating a queue that was deleted and declared again).
+
+So a well-formed record always applies. One that does not (a bug, or a frame whose checksum
+passed but whose payload is not Tandem's) raises `NotApplied`, which names the record; the
+caller reports it once with its position and sets it aside, and never retries it.
+
+The caller holds the model's journal in `applying` mode, so nothing applied is recorded a
+second time, and calls `done` when it stops applying (the queues drop the index by message
+id that applying keeps).
 
 Applying is idempotent per message: an enqueue of a message the queue holds already is
 skipped, so a record carried forward by compaction (and still present in an older segment
@@ -18,6 +28,7 @@ from typing import Any
 
 from tandem.broker.model import definitions, records
 from tandem.broker.model import message as message_mod
+from tandem.broker.model import queue as queue_mod
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import Queue
@@ -26,12 +37,33 @@ from tandem.broker.model.vhost import VirtualHost
 log = logging.getLogger(__name__)
 
 
+class NotApplied(ValueError):
+    """A record apply could not make so; says which (type, and vhost and queue or name)."""
+
+
 def apply(broker: Broker, rtype: int, payload: bytes) -> None:
-    """Apply one record; raises ValueError on a payload that does not parse."""
+    """Apply one record; raises NotApplied when it cannot (see the module's docstring)."""
     try:
         _apply(broker, rtype, payload)
-    except (KeyError, TypeError, IndexError, UnicodeDecodeError) as exc:
-        raise ValueError(f"malformed {records.NAMES.get(rtype, rtype)} record: {exc!r}") from None
+    except Exception as exc:  # whatever failed, it is reported as this record's failure
+        raise NotApplied(f"{describe(rtype, payload)}: {exc!r}") from exc
+
+
+def describe(rtype: int, payload: bytes) -> str:
+    """A record as a log line names it: its type and what it is about."""
+    name = records.NAMES.get(rtype, f"type {rtype}")
+    try:
+        if rtype in (records.ENQUEUE, records.DEQUEUE, records.MARK):
+            vhost, queue, message_id = records.read_key(payload)
+            where = f"queue '{queue}' in vhost '{vhost}'"
+            return f"{name} of message {records.show_mid(message_id)} on {where}"
+        if rtype == records.DEFINE:
+            rec = records.decode_body(payload)
+            what = (rec.get("body") or {}).get("name") or (rec.get("body") or {}).get("source")
+            return f"{name} {rec.get('op')} '{what}' in vhost '{rec.get('vhost')}'"
+    except Exception:  # an unreadable record is named by its type alone
+        return name
+    return name
 
 
 def _apply(broker: Broker, rtype: int, payload: bytes) -> None:
@@ -51,13 +83,15 @@ def _apply(broker: Broker, rtype: int, payload: bytes) -> None:
         if q is not None:
             q.mark(mid)
     elif rtype == records.DEFINE:
-        rec = records.json_payload(payload)
+        rec = records.decode_body(payload)
         if rec["op"] == "auth":  # users, vhosts and permissions, all at once
             definitions.replace_auth(broker, rec["body"], broker.guest_remote)
+        elif rec["op"] == "vhost.delete":
+            broker.delete_vhost(rec["vhost"])
         else:
             define(broker.add_vhost(rec["vhost"]), rec["op"], rec["body"])
     elif rtype == records.SNAPSHOT:
-        snapshot(broker, records.json_payload(payload))
+        snapshot(broker, records.decode_body(payload))
     elif rtype in (records.CHECKPOINT, records.NOOP):
         pass
     else:
@@ -69,6 +103,19 @@ def done(broker: Broker) -> None:
     for vh in broker.vhosts.values():
         for q in vh.queues.values():
             q.end_apply()
+
+
+def drop_exclusive(broker: Broker) -> list[str]:
+    """Delete the exclusive queues whose owning connection is not here (recovered after a
+    restart, or copied from a primary that is gone): their owner's connection is closed, so
+    they are gone, as RabbitMQ's are. Returns their names."""
+    dropped = []
+    for vh in broker.vhosts.values():
+        for q in list(vh.queues.values()):
+            if q.exclusive_owner is queue_mod.OWNED_ELSEWHERE:
+                vh.delete_queue(q)
+                dropped.append(f"{vh.name}/{q.name}")
+    return dropped
 
 
 def _queue(broker: Broker, vhost: str, queue: str) -> Queue | None:
@@ -92,27 +139,26 @@ def message(q: Queue, mid: int, route: bytes, props: bytes, body: bytes) -> Mess
 
 def define(vh: VirtualHost, op: str, body: dict[str, Any]) -> None:
     if op == "exchange.declare":
-        if body["name"] not in vh.exchanges:
-            vh.declare_exchange(
-                body["name"],
-                body["type"],
-                durable=body.get("durable", True),
-                auto_delete=body["auto_delete"],
-                internal=body["internal"],
-                arguments=body["arguments"],
-            )
+        vh.create_exchange(
+            body["name"],
+            body["type"],
+            durable=body.get("durable", True),
+            auto_delete=body["auto_delete"],
+            internal=body["internal"],
+            arguments=body["arguments"],
+        )
     elif op == "exchange.delete":
         ex = vh.exchanges.get(body["name"])
         if ex is not None:
             vh.remove_exchange(ex)
     elif op == "queue.declare":
-        if body["name"] not in vh.queues:
-            vh.declare_queue(
-                body["name"],
-                durable=body.get("durable", True),
-                auto_delete=body["auto_delete"],
-                arguments=body["arguments"],
-            )
+        vh.create_queue(
+            body["name"],
+            durable=body.get("durable", True),
+            exclusive_owner=queue_mod.OWNED_ELSEWHERE if body.get("exclusive") else None,
+            auto_delete=body["auto_delete"],
+            arguments=body["arguments"],
+        )
     elif op == "queue.delete":
         q = vh.queues.get(body["name"])
         if q is not None:

@@ -27,11 +27,14 @@ class Broker:
         return vh
 
     def delete_vhost(self, name: str) -> bool:
+        """Delete a vhost and everything in it; recorded, so that backups and a restart
+        delete it too (its exchanges and bindings go with it, unrecorded one by one)."""
         vh = self.vhosts.pop(name, None)
         if vh is None:
             return False
         for q in list(vh.queues.values()):
             vh.delete_queue(q)
+        self.journal.define(name, "vhost.delete", {"name": name}, True)
         return True
 
     def vhost(self, name: str) -> VirtualHost:

@@ -55,7 +55,7 @@ class Journal(Protocol):
         of its record (0 when the change takes none)."""
 
     def enqueue(self, queue: Queue, msg: Message) -> int:
-        """A message entered a queue; sets msg.mid on its first record."""
+        """A message entered a queue; sets msg.mid (records.mid) on its first record."""
 
     def dequeue(self, queue: Queue, msg: Message) -> int:
         """A message left a queue for good (ack, drop, expiry, purge)."""
@@ -187,8 +187,8 @@ class Sequencer:
             return 0
         durable, replicated = change
         offset = self._next()
-        if not msg.mid:
-            msg.mid = offset
+        if not msg.mid:  # its first queue: the id is this record's (epoch, offset)
+            msg.mid = records.mid(self.epoch, offset)
         vh = queue.vhost.name
         self._emit(
             records.ENQUEUE,

@@ -66,7 +66,7 @@ class Message:
         self.persistent = False
         self.priority = 0
         self.expiration: int | None = None  # per-message TTL in ms, from the expiration property
-        self.mid = 0  # log offset of the enqueue record; 0 until journaled
+        self.mid = 0  # (epoch, offset) of its first enqueue record (records.mid); 0 until then
         self.redelivered = False
         self.refs = 0
         self.ts = 0  # publish time (clock ms), set when some TTL applies

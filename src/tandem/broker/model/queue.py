@@ -91,6 +91,11 @@ def insert_by_mid(messages: collections.deque[Message], msg: Message) -> None:
     messages.insert(i, msg)
 
 
+# The owner of an exclusive queue whose connection is not on this node: a backup's copy of
+# one, or one recovered after a restart. Nobody here may use it (405, as while its owner is
+# connected elsewhere); a node that starts serving deletes it (apply.drop_exclusive).
+OWNED_ELSEWHERE = object()
+
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 # Arguments whose values must match on redeclare; RabbitMQ ignores the ones it does not know.
 EQUIVALENCE_ARGS = (
@@ -109,13 +114,40 @@ EQUIVALENCE_ARGS = (
 REPLICATE_MODES = ("none", "configuration", "all")
 
 
+INT_ARGS = (  # name, smallest value
+    ("x-message-ttl", 0),
+    ("x-expires", 1),
+    ("x-max-length", 0),
+    ("x-max-length-bytes", 0),
+    ("x-max-priority", 0),
+)
+
+
 def _int_arg(args: dict[str, Any], name: str, minimum: int = 0) -> int | None:
+    """The argument's value, or None when it is absent or not a valid one."""
     value = args.get(name)
-    if value is None:
-        return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise errors.PreconditionFailed(f"invalid arg '{name}' for queue: {value!r}")
+        return None
     return value
+
+
+def check_arguments(args: dict[str, Any]) -> None:
+    """The checks a declaring client can fail, with RabbitMQ's words. Only the protocol edge
+    runs them (through `VirtualHost.declare_queue`); a queue built from a record takes its
+    arguments as they were decided."""
+    for name, minimum in INT_ARGS:
+        value = args.get(name)
+        if value is not None and _int_arg(args, name, minimum) is None:
+            raise errors.PreconditionFailed(f"invalid arg '{name}' for queue: {value!r}")
+    max_priority = args.get("x-max-priority")
+    if max_priority is not None and max_priority > 255:
+        raise errors.PreconditionFailed("invalid arg 'x-max-priority': above 255")
+    overflow = args.get("x-overflow")
+    if overflow is not None and str(overflow) not in OVERFLOW_MODES:
+        raise errors.PreconditionFailed(f"invalid arg 'x-overflow': {overflow!r}")
+    replicate = args.get("x-tandem-replicate")
+    if replicate is not None and str(replicate) not in REPLICATE_MODES:
+        raise errors.PreconditionFailed(f"invalid arg 'x-tandem-replicate': {replicate!r}")
 
 
 class Queue:
@@ -144,11 +176,11 @@ class Queue:
         self.max_bytes = _int_arg(args, "x-max-length-bytes")
         max_priority = _int_arg(args, "x-max-priority")
         if max_priority is not None and max_priority > 255:
-            raise errors.PreconditionFailed("invalid arg 'x-max-priority': above 255")
+            max_priority = None
         self.max_priority = max_priority
         self.overflow = str(args.get("x-overflow", "drop-head"))
         if self.overflow not in OVERFLOW_MODES:
-            raise errors.PreconditionFailed(f"invalid arg 'x-overflow': {self.overflow!r}")
+            self.overflow = "drop-head"
         dlx = args.get("x-dead-letter-exchange")
         self.dlx: str | None = None if dlx is None else str(dlx)
         dlrk = args.get("x-dead-letter-routing-key")
@@ -156,7 +188,7 @@ class Queue:
         default_replicate = "none" if exclusive_owner is not None else vhost.default_replicate
         self.replicate = str(args.get("x-tandem-replicate", default_replicate))
         if self.replicate not in REPLICATE_MODES:
-            raise errors.PreconditionFailed(f"invalid arg 'x-tandem-replicate': {self.replicate!r}")
+            self.replicate = default_replicate
         self.messages: collections.deque[Message] | PriorityBuffer = (
             PriorityBuffer(max_priority) if max_priority else collections.deque()
         )

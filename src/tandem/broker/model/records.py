@@ -13,11 +13,16 @@ writes it to disk); the next bit (MORE) that more records of the same group foll
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import json
 import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any
+
+from pamqp import decode as amqp_decode
+from pamqp import encode as amqp_encode
 
 from tandem.broker.model.message import Message
 
@@ -200,14 +205,121 @@ class Reader:
             raise ValueError("truncated field")
         return self.data[self.pos - n : self.pos]
 
+    def skip(self) -> None:
+        """Step over a length-prefixed field without copying it."""
+        (n,) = U32.unpack_from(self.data, self.pos)
+        self.pos += 4 + n
+        if self.pos > len(self.data):
+            raise ValueError("truncated field")
+
     def u64(self) -> int:
         (v,) = U64.unpack_from(self.data, self.pos)
         self.pos += 8
         return int(v)
 
+    def u32(self) -> int:
+        (v,) = U32.unpack_from(self.data, self.pos)
+        self.pos += 4
+        return int(v)
+
+
+# A structured payload (definitions, snapshots, checkpoints, users) is an AMQP field table
+# behind this format byte, so arguments keep their AMQP types: bytes stay bytes, a decimal
+# stays a decimal, a timestamp a timestamp, nested tables and arrays as they were. Payloads
+# written before it are JSON objects (they begin with "{") and are still read.
+TABLE = b"\x01"
+
+
+def encode_body(value: dict[str, Any]) -> bytes:
+    """A structured payload; raises ValueError for a value no AMQP field can hold."""
+    return TABLE + _table(value)
+
+
+def decode_body(data: bytes) -> dict[str, Any]:
+    """A structured payload, as `encode_body` or an older version (JSON) wrote it."""
+    head = data[:1]
+    if head == TABLE:
+        try:
+            _n, value = amqp_decode.field_table(bytes(data[1:]))
+        except (ValueError, TypeError, KeyError, IndexError, struct.error) as exc:
+            raise ValueError(f"undecodable field table: {exc!r}") from None
+        return value
+    if head == b"{":
+        value = json.loads(data)
+        if isinstance(value, dict):
+            return value
+    raise ValueError("record payload is not a table")
+
+
+def _table(value: dict[str, Any]) -> bytes:
+    parts = []
+    for key, item in value.items():
+        raw = str(key).encode()
+        if len(raw) > 255:
+            raise ValueError(f"field name longer than 255 bytes: {key[:40]!r}...")
+        parts.append(bytes((len(raw),)) + raw + _value(item))
+    body = b"".join(parts)
+    return U32.pack(len(body)) + body
+
+
+def _value(v: Any) -> bytes:
+    """One field value with its type tag. Unlike pamqp's encoder (which writes floats as
+    32-bit and has no tag for bytes), every value comes back exactly as pamqp decodes it."""
+    if isinstance(v, bool):
+        return b"t" + (b"\x01" if v else b"\x00")
+    if isinstance(v, int):
+        if not -(1 << 63) <= v < (1 << 63):
+            raise ValueError(f"integer out of range for an AMQP field: {v}")
+        return b"l" + amqp_encode.long_long_int(v)
+    if isinstance(v, float):
+        return b"d" + amqp_encode.double(v)
+    if isinstance(v, decimal.Decimal):
+        return b"D" + amqp_encode.decimal(v)
+    if isinstance(v, str):
+        return b"S" + amqp_encode.long_string(v)
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return b"x" + U32.pack(len(v)) + bytes(v)
+    if isinstance(v, datetime.datetime):
+        return b"T" + amqp_encode.timestamp(v)
+    if isinstance(v, dict):
+        return b"F" + _table(v)
+    if isinstance(v, (list, tuple)):
+        items = b"".join(_value(i) for i in v)
+        return b"A" + U32.pack(len(items)) + items
+    if v is None:
+        return b"V"
+    raise ValueError(f"no AMQP field type holds {type(v).__name__} {v!r}")
+
 
 def define(vhost: str, op: str, body: dict[str, Any]) -> bytes:
-    return json.dumps({"vhost": vhost, "op": op, "body": body}, separators=(",", ":")).encode()
+    return encode_body({"vhost": vhost, "op": op, "body": body})
+
+
+# A message's identity (its `mid`) is the (epoch, offset) of the record that first enqueued
+# it, as one integer: epoch << 64 | offset. Ids order as the log does, and two records of
+# different epochs at the same offset (a diverged suffix and the history that replaced it)
+# never name the same message. In a payload the offset sits where it always did and the epoch
+# follows at the end; a payload written before epochs were part of the id has no epoch there
+# and reads as epoch 0, so a data dir's older records keep naming their own messages.
+OFFSET_BITS = 64
+OFFSET_MASK = (1 << OFFSET_BITS) - 1
+
+
+def mid(epoch: int, offset: int) -> int:
+    return (epoch << OFFSET_BITS) | offset
+
+
+def mid_epoch(message_id: int) -> int:
+    return message_id >> OFFSET_BITS
+
+
+def mid_offset(message_id: int) -> int:
+    return message_id & OFFSET_MASK
+
+
+def show_mid(message_id: int) -> str:
+    """An id as people read positions: epoch:offset."""
+    return f"{message_id >> OFFSET_BITS}:{message_id & OFFSET_MASK}"
 
 
 def enqueue(vhost: str, queue: str, msg: Message) -> bytes:
@@ -215,32 +327,42 @@ def enqueue(vhost: str, queue: str, msg: Message) -> bytes:
         (
             _str(vhost),
             _str(queue),
-            U64.pack(msg.mid),
+            U64.pack(msg.mid & OFFSET_MASK),
             _bytes(msg.route),
             _bytes(msg.props),
             _bytes(msg.body_bytes()),
+            U32.pack(msg.mid >> OFFSET_BITS),
         )
     )
 
 
-def key(vhost: str, queue: str, mid: int) -> bytes:
+def key(vhost: str, queue: str, message_id: int) -> bytes:
     """The payload of DEQUEUE and MARK: which message of which queue."""
-    return _str(vhost) + _str(queue) + U64.pack(mid)
+    return (
+        _str(vhost)
+        + _str(queue)
+        + U64.pack(message_id & OFFSET_MASK)
+        + U32.pack(message_id >> OFFSET_BITS)
+    )
 
 
 def read_key(data: bytes) -> tuple[str, str, int]:
+    """(vhost, queue, mid) of a DEQUEUE or MARK, or of an ENQUEUE (its leading fields)."""
     r = Reader(data)
-    return r.str(), r.str(), r.u64()
+    vhost, queue, offset = r.str(), r.str(), r.u64()
+    if r.pos + U32.size == len(data):  # a key with its epoch
+        return vhost, queue, mid(r.u32(), offset)
+    if r.pos == len(data):  # a key written before epochs were part of the id
+        return vhost, queue, offset
+    for _field in range(3):  # an enqueue: its epoch follows route, properties and body
+        r.skip()
+    return vhost, queue, mid(r.u32(), offset) if r.pos < len(data) else offset
 
 
 def read_enqueue(data: bytes) -> tuple[str, str, int, bytes, bytes, bytes]:
     """(vhost, queue, mid, route, props, body)."""
     r = Reader(data)
-    return r.str(), r.str(), r.u64(), r.bytes(), r.bytes(), r.bytes()
-
-
-def json_payload(data: bytes) -> dict[str, Any]:
-    value = json.loads(data)
-    if not isinstance(value, dict):
-        raise ValueError("record payload is not an object")
-    return value
+    vhost, queue, offset = r.str(), r.str(), r.u64()
+    route, props, body = r.bytes(), r.bytes(), r.bytes()
+    epoch = r.u32() if r.pos < len(data) else 0
+    return vhost, queue, mid(epoch, offset), route, props, body

@@ -11,6 +11,7 @@ from pamqp import commands
 
 from tandem import errors
 from tandem.broker.model import message as message_mod
+from tandem.broker.model import queue as queue_mod
 from tandem.broker.model.exchange import EXCHANGE_TYPES, Binding, Exchange
 from tandem.broker.model.journal import Journal
 from tandem.broker.model.message import Message
@@ -89,8 +90,37 @@ class VirtualHost:
                     f"'{self.name}': received '{kind}' but current is '{existing.kind}'"
                 )
             return existing
+        return self.create_exchange(
+            name,
+            kind,
+            durable=durable,
+            auto_delete=auto_delete,
+            internal=internal,
+            arguments=arguments,
+        )
+
+    def create_exchange(
+        self,
+        name: str,
+        kind: str,
+        *,
+        durable: bool,
+        auto_delete: bool = False,
+        internal: bool = False,
+        arguments: dict[str, Any] | None = None,
+    ) -> Exchange:
+        """Make the exchange so, as decided: no check a client can fail runs here (apply's
+        path; `declare_exchange` checks first). One of the same name but other properties
+        (a stale copy of a deleted and re-declared exchange) is replaced."""
+        args = dict(arguments or {})
+        existing = self.exchanges.get(name)
+        if existing is not None:
+            same = (existing.kind, existing.durable, existing.auto_delete, existing.internal)
+            if same == (kind, durable, auto_delete, internal) and existing.arguments == args:
+                return existing
+            self.remove_exchange(existing)
         ex = EXCHANGE_TYPES[kind](
-            name, durable=durable, auto_delete=auto_delete, internal=internal, arguments=arguments
+            name, durable=durable, auto_delete=auto_delete, internal=internal, arguments=args
         )
         self.exchanges[name] = ex
         self.journal.define(self.name, "exchange.declare", self.exchange_body(ex), durable)
@@ -164,6 +194,37 @@ class VirtualHost:
             if why is not None:
                 raise errors.PreconditionFailed(why)
             return existing, False
+        queue_mod.check_arguments(args)
+        q = self.create_queue(
+            name,
+            durable=durable,
+            exclusive_owner=exclusive_owner,
+            auto_delete=auto_delete,
+            arguments=args,
+        )
+        return q, True
+
+    def create_queue(
+        self,
+        name: str,
+        *,
+        durable: bool,
+        exclusive_owner: object | None = None,
+        auto_delete: bool = False,
+        arguments: dict[str, Any] | None = None,
+    ) -> Queue:
+        """Make the queue so, as decided: no check a client can fail runs here (apply's path;
+        `declare_queue` checks first). One of the same name but other properties (a stale copy
+        of a deleted and re-declared queue) is replaced, its messages with it."""
+        args = dict(arguments or {})
+        existing = self.queues.get(name)
+        if existing is not None:
+            exclusive = exclusive_owner is not None
+            if existing.same_properties(durable, exclusive, auto_delete, args) is None and (
+                existing.arguments == args
+            ):
+                return existing
+            self.delete_queue(existing)
         q = Queue(
             self,
             name,
@@ -178,7 +239,7 @@ class VirtualHost:
                 self.name, "queue.declare", self.queue_body(q), durable, q.replicate != "none"
             )
         # Every queue is bound to the default exchange by its name (implicitly, by lookup).
-        return q, True
+        return q
 
     @staticmethod
     def queue_body(q: Queue) -> dict[str, Any]:
@@ -186,6 +247,7 @@ class VirtualHost:
             "name": q.name,
             "durable": q.durable,
             "auto_delete": q.auto_delete,
+            "exclusive": q.exclusive_owner is not None,
             "arguments": q.arguments,
         }
 

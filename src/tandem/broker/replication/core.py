@@ -460,6 +460,8 @@ class Replica:
         else:
             self.log.truncate(msg.agree)
             self.log.extend(msg.entries)
+        if not self.log.whole:
+            return []  # a record did not apply: no ack; the next tick asks for a copy again
         self.synced = True
         return [self._ack()]
 
@@ -472,6 +474,9 @@ class Replica:
             return [self._hello()]
         skip = end + 1 - msg.start  # a repeated message overlaps what we hold
         self.log.extend(msg.entries[skip:])
+        if not self.log.whole:  # a record did not apply: this state needs a copy
+            self.synced = False
+            return [self._hello()]
         return [self._ack()]
 
     def _advance(self) -> None:

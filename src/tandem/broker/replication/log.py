@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from tandem.broker.store.log import Store
 log = logging.getLogger(__name__)
 
 WINDOW_BYTES = 64 << 20
+NOT_APPLIED_KEPT = 20
 # The first frame of a copy that is a difference, not everything.
 DIFF = records.define("", "difference", {})
 
@@ -60,6 +60,7 @@ class BrokerLog:
         self.on_auth: Callable[[], None] = lambda: None  # users changed: save them
         self.drop_enqueues_to: str | None = None  # a test-only fault (see `drop_enqueues`)
         self.group: list[bytes] = []  # the frames of a group not yet complete
+        self.not_applied: list[tuple[int, int, str]] = []  # (epoch, offset, what), the last few
 
     # -- what the protocol reads --
 
@@ -111,7 +112,9 @@ class BrokerLog:
 
     def digest(self) -> dict[str, dict[str, list[list[int]]]]:
         """What this member holds: for each queue replicated `all`, its message ids as
-        ranges (a restarted member holds its persistent messages; the primary sends the rest)."""
+        ranges (a restarted member holds its persistent messages; the primary sends the rest).
+        Ids are (epoch, offset) (records.mid): a message of a diverged suffix never passes for
+        the primary's message at the same offset of a later epoch."""
         out: dict[str, dict[str, list[list[int]]]] = {}
         for vh in self.broker.vhosts.values():
             for q in vh.queues.values():
@@ -131,7 +134,7 @@ class BrokerLog:
                 records.SNAPSHOT,
                 epoch,
                 self.end,
-                json.dumps(apply.durable_definitions(self.broker), separators=(",", ":")).encode(),
+                records.encode_body(apply.durable_definitions(self.broker)),
             )
         ]
         auth = records.define("", "auth", definitions.export_auth(self.broker))
@@ -160,14 +163,14 @@ class BrokerLog:
                 )
                 theirs_q = None if held is None else held.get((vh.name, q.name), set())
                 for m in ours:
-                    e = _epoch_at(bounds, m.mid, epoch)
+                    e, o = _position_of(bounds, m.mid, epoch)
                     if theirs_q is None or m.mid not in theirs_q:
                         durable = m.persistent and q.durable
                         payload = records.enqueue(vh.name, q.name, m)
-                        out.append(records.frame(records.ENQUEUE, e, m.mid, payload, durable))
+                        out.append(records.frame(records.ENQUEUE, e, o, payload, durable))
                     if m.redelivered or m.mid in q.outstanding:
                         key = records.key(vh.name, q.name, m.mid)
-                        out.append(records.frame(records.MARK, e, m.mid, key, False))
+                        out.append(records.frame(records.MARK, e, o, key, False))
                 if theirs_q:
                     gone = theirs_q - {m.mid for m in ours}
                     for mid in sorted(gone):  # consumed since the follower's log ends
@@ -182,14 +185,13 @@ class BrokerLog:
             raise AssertionError("a broker log is never cut back; the primary sends a full copy")
 
     def extend(self, entries: Sequence[bytes]) -> None:
-        group = self.group
         for data in entries:
-            group.append(data)
+            self.group.append(data)
             if records.continues(data):
                 continue  # a group is applied once its last record came
-            for member in group:
+            whole, self.group = self.group, []  # taken once, whatever happens while taking
+            for member in whole:
                 self._take(member)
-            group.clear()
 
     def drop_enqueues(self, queue: str) -> None:
         """A fault for tests of the audit: as a backup, take (and store) every enqueue to
@@ -211,7 +213,7 @@ class BrokerLog:
         payload = records.payload(data)
         # A definition's or a checkpoint's JSON, read once for the store and the hooks.
         rec = (
-            records.json_payload(payload) if rtype in (records.DEFINE, records.CHECKPOINT) else None
+            records.decode_body(payload) if rtype in (records.DEFINE, records.CHECKPOINT) else None
         )
         sequencer, store = self.sequencer, self.store
         bounds = sequencer.boundaries
@@ -224,11 +226,8 @@ class BrokerLog:
             elif rec is not None and rec["op"] == "queue.delete":
                 store.forget_queue(rec["vhost"], rec["body"]["name"])
             store.write(rtype, offset, data, key)
-        try:
-            if not self._dropped(rtype, payload):
-                apply.apply(self.broker, rtype, payload)
-        except ValueError as exc:
-            log.error("record (%d, %d) from the primary not applied: %s", epoch, offset, exc)
+        if not self._dropped(rtype, payload):
+            self._apply(epoch, offset, rtype, payload)
         if rtype == records.CHECKPOINT and rec is not None:
             self.on_checkpoint(epoch, offset, rec.get("body") or {})
         elif rec is not None and rec.get("op") == "auth":
@@ -236,15 +235,33 @@ class BrokerLog:
         sequencer.follow(epoch, offset)
         self.keep(offset, data)
 
+    def _apply(self, epoch: int, offset: int, rtype: int, payload: bytes) -> None:
+        """Apply one of the primary's records. One that cannot be applied (a bug) is said
+        once with its position, kept in `not_applied` for /status, and makes this member's
+        state suspect: it is not whole until a copy from the primary replaces it."""
+        try:
+            apply.apply(self.broker, rtype, payload)
+        except apply.NotApplied as exc:
+            log.error(
+                "record (%d, %d) from the primary not applied, set aside: %s; this member "
+                "takes a copy from the primary",
+                epoch,
+                offset,
+                exc,
+            )
+            self.not_applied.append((epoch, offset, str(exc)))
+            del self.not_applied[:-NOT_APPLIED_KEPT]
+            self.lost = True
+
     def install(self, boundaries: core.Boundaries, end: int, snapshot: Any) -> None:
         """Take the primary's copy (made at `end`): the difference from what this member
         holds (its log is a prefix of the primary's), or everything."""
         frames: list[bytes] = list(snapshot)
+        self.lost = False  # unless a record of the copy does not apply
         if frames and records.payload(frames[0]) == DIFF:
             self._install_difference(boundaries, end, frames[1:])
         else:
             self._install_all(boundaries, end, frames)
-        self.lost = False
         self.on_auth()
 
     def _install_difference(
@@ -280,7 +297,7 @@ class BrokerLog:
         self.window_bytes = 0
         self.group.clear()
         for data in frames:
-            rtype, _epoch, offset, durable = records.head(data)
+            rtype, epoch, offset, durable = records.head(data)
             payload = records.payload(data)
             if durable and self.store is not None:
                 key = (
@@ -289,14 +306,14 @@ class BrokerLog:
                     else None
                 )
                 self.store.write(rtype, offset, data, key)
-            apply.apply(self.broker, rtype, payload)
+            self._apply(epoch, offset, rtype, payload)
 
     def _durable_state(self, boundaries: core.Boundaries, end: int) -> list[bytes]:
         """This member's durable state as frames: the durable definitions, then every
         persistent message of every durable queue at its own position."""
         last = boundaries[-1][0] if boundaries else 0
-        body = json.dumps(apply.durable_definitions(self.broker), separators=(",", ":"))
-        out = [records.frame(records.SNAPSHOT, last, end, body.encode())]
+        body = records.encode_body(apply.durable_definitions(self.broker))
+        out = [records.frame(records.SNAPSHOT, last, end, body)]
         for vh in self.broker.vhosts.values():
             for q in vh.queues.values():
                 if not q.durable:
@@ -304,8 +321,8 @@ class BrokerLog:
                 for m in sorted(q.messages, key=lambda m: m.mid):
                     if m.persistent:
                         payload = records.enqueue(vh.name, q.name, m)
-                        epoch = _epoch_at(boundaries, m.mid, last)
-                        out.append(records.frame(records.ENQUEUE, epoch, m.mid, payload))
+                        epoch, offset = _position_of(boundaries, m.mid, last)
+                        out.append(records.frame(records.ENQUEUE, epoch, offset, payload))
         return out
 
     def _install_all(self, boundaries: core.Boundaries, end: int, snapshot: list[bytes]) -> None:
@@ -326,6 +343,13 @@ class BrokerLog:
         log.info(
             "took a full copy from the primary: %d records up to offset %d", len(snapshot), end
         )
+
+
+def _position_of(bounds: core.Boundaries, message_id: int, default: int) -> tuple[int, int]:
+    """The (epoch, offset) of the record that enqueued a message: its id says both, but an
+    id from before epochs were part of it (epoch 0) says only the offset."""
+    offset = records.mid_offset(message_id)
+    return records.mid_epoch(message_id) or _epoch_at(bounds, offset, default), offset
 
 
 def _epoch_at(bounds: core.Boundaries, offset: int, default: int) -> int:

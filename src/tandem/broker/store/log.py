@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import os
 import threading
@@ -47,6 +46,10 @@ class Recovered:
     truncated: list[str] = field(default_factory=list)
     corrupt: list[Corruption] = field(default_factory=list)
     set_aside: list[str] = field(default_factory=list)
+    # Records that could not be applied (a bug): "epoch:offset what", each written as it was
+    # to not-applied/ in the data dir, where an operator can read it.
+    not_applied: list[str] = field(default_factory=list)
+    exclusive_dropped: list[str] = field(default_factory=list)
 
 
 class _Batch:
@@ -184,7 +187,7 @@ class Store:
         self.active_size = 0
         epoch = self.sequencer.epoch if self.sequencer is not None else 0
         body = apply.durable_definitions(self.broker) if self.broker is not None else {}
-        snapshot = json.dumps(body, separators=(",", ":")).encode()
+        snapshot = records.encode_body(body)
         data = records.frame(records.SNAPSHOT, epoch, self.handed, snapshot)
         self.pending.chunks.append((self.active, data))
         self.active_size += len(data)
@@ -413,6 +416,8 @@ class Store:
                     self.where[key] = seg
                     self.segments[seg] += 1
             apply.done(broker)
+            # Their owners' connections died with the process (as RabbitMQ deletes them).
+            result.exclusive_dropped = apply.drop_exclusive(broker)
         finally:
             sequencer.applying = False
         result.messages = len(self.where)
@@ -474,12 +479,32 @@ class Store:
             sequencer.follow(epoch, offset)
         try:
             apply.apply(broker, rtype, payload)
-            if rtype == records.ENQUEUE:
-                live[records.read_key(payload)] = seg
-            elif rtype == records.DEQUEUE:
-                live.pop(records.read_key(payload), None)
-        except ValueError as exc:
-            log.error("record (%d, %d) in segment %d skipped: %s", epoch, offset, seg, exc)
+        except apply.NotApplied as exc:
+            self._set_aside(epoch, offset, rtype, payload, str(exc), result)
+            return
+        if rtype == records.ENQUEUE:
+            live[records.read_key(payload)] = seg
+        elif rtype == records.DEQUEUE:
+            live.pop(records.read_key(payload), None)
+
+    def _set_aside(
+        self, epoch: int, offset: int, rtype: int, payload: bytes, why: str, result: Recovered
+    ) -> None:
+        """A record this node wrote and cannot apply (a bug): the node starts all the same,
+        serving everything else; the record is named once in the log and in /status, and
+        kept as it was in not-applied/<epoch>-<offset>.rec for whoever looks into it."""
+        aside = self.dir / "not-applied"
+        aside.mkdir(exist_ok=True)
+        path = aside / f"{epoch}-{offset}.rec"
+        path.write_bytes(records.frame(rtype, epoch, offset, payload))
+        log.error(
+            "record (%d, %d) in the log could not be applied and is set aside in %s: %s",
+            epoch,
+            offset,
+            path,
+            why,
+        )
+        result.not_applied.append(f"{epoch}:{offset} {why}")
 
     def _read_epochs(self) -> list[tuple[int, int]]:
         path = self.dir / "epochs"
