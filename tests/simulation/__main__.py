@@ -15,8 +15,11 @@ def main() -> int:
     ap.add_argument("--isr-min", type=int, default=2)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--trace", action="store_true", help="print every step")
+    ap.add_argument(
+        "--messages", action="store_true", help="logs as the broker's: catch-up by difference"
+    )
     args = ap.parse_args()
-    world = World(args.seed, args.nodes, args.isr_min, args.steps)
+    world = World(args.seed, args.nodes, args.isr_min, args.steps, messages=args.messages)
     try:
         world.run()
     except Violation as exc:

@@ -9,6 +9,13 @@ ticks, controller turns, crashes, restarts, pauses and resumes, and the passing 
 every step the DESIGN's rules are checked; at the end the faults stop and the cluster must
 recover: one primary, every member back in sync, a new write confirmed.
 
+With `messages=True` each member's log is a `MessageLog`, which models the broker's own
+(`replication/log.py`): it is never cut back, and a member whose log diverged (an old
+primary that took writes while it was paused) catches up by difference, comparing the
+message ids each holds. The check then also asks that every confirmed message is held, by
+its content, by every in-sync member: a stale message that passes for a confirmed one under
+the same id is a lost confirmed message.
+
 Run one seed with its trace: `python -m tests.simulation --seed N --trace`.
 """
 
@@ -44,6 +51,56 @@ class Message:
     body: core.PeerMessage | core.ControlMessage
 
 
+def message_id(epoch: int, offset: int) -> Any:
+    """A message's identity, as the broker's records.mid makes it: the (epoch, offset) of the
+    record that enqueued it. (The mutation check makes it the offset alone.)"""
+    return (epoch, offset)
+
+
+class MessageLog(core.EpochLog):
+    """A log like the broker's: each record enqueues one message, whose content is the
+    (epoch, offset) that wrote it; `held` is the queue, by message id. It is never cut back:
+    a member that went past the point where it agrees with the primary takes the
+    difference (what it lacks, and which of its messages are gone), not a truncation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: dict[Any, tuple[int, int]] = {}
+
+    @property
+    def truncates(self) -> bool:
+        return False
+
+    def truncate(self, offset: int) -> None:
+        if offset != len(self):
+            raise Violation(f"a message log was cut back from {len(self)} to {offset}")
+
+    def extend(self, entries: Any) -> None:
+        for epoch in entries:
+            self.append(epoch)
+            self.held[message_id(epoch, len(self))] = (epoch, len(self))
+
+    def digest(self) -> Any:
+        return frozenset(self.held)
+
+    def snapshot(self, theirs: Any = None) -> Any:
+        if theirs is None:
+            return ("full", tuple(self), dict(self.held), frozenset())
+        missing = {i: c for i, c in self.held.items() if i not in theirs}
+        return ("difference", tuple(self), missing, frozenset(theirs) - set(self.held))
+
+    def install(self, boundaries: core.Boundaries, end: int, snapshot: Any) -> None:
+        kind, entries, sent, gone = snapshot
+        if kind == "full":
+            self.held = dict(sent)
+        else:
+            self.held.update(sent)
+            for i in gone:
+                self.held.pop(i, None)
+        self[:] = entries  # the log starts over from what the primary holds
+        self.lost = False
+
+
 @dataclass
 class World:
     seed: int
@@ -51,12 +108,13 @@ class World:
     isr_min: int = 2
     steps: int = 300
     faults: bool = True
+    messages: bool = False  # each log a MessageLog, caught up by difference
     trace: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.names = [chr(ord("a") + i) for i in range(self.nodes)]
-        self.replicas = {n: core.Replica(n, isr_min=self.isr_min) for n in self.names}
+        self.replicas = {n: self.new_replica(n) for n in self.names}
         self.state = dict.fromkeys(self.names, "up")  # up | crashed | paused
         self.paused_since: dict[str, float] = {}
         self.now = 0.0
@@ -77,6 +135,11 @@ class World:
             self,
             Settings(failover_delay=1.0, isr_min=self.isr_min, max_lag_records=20),
         )
+
+    def new_replica(self, n: str) -> core.Replica:
+        if self.messages:
+            return core.Replica(n, isr_min=self.isr_min, log=MessageLog())
+        return core.Replica(n, isr_min=self.isr_min)
 
     # -- ElectionStore --
 
@@ -230,7 +293,7 @@ class World:
         kind = self.rng.choice(["crash", "pause", "heal", "heal", "wipe"])
         if kind == "wipe" and self.state[n] != "paused" and self.may_lose(n):
             self.crash(n)
-            self.replicas[n] = core.Replica(n, isr_min=self.isr_min)
+            self.replicas[n] = self.new_replica(n)
             self.epochs[n] = 0
             self.wiped[n] = False
             self.log(f"{n} crashes and loses its disk")
@@ -270,6 +333,9 @@ class World:
             if lose and isinstance(r.log, core.EpochLog):
                 r.log.lost = True
                 self.wiped[n] = False
+                if isinstance(r.log, MessageLog):  # its transient messages are gone
+                    kept = sorted(r.log.held.items(), key=lambda item: item[1])
+                    r.log.held = dict(item for item in kept if self.rng.random() < 0.5)
             self.log(f"{n} restarts" + (" without its volatile records" if lose else ""))
         elif self.state[n] == "paused":
             self.log(f"{n} resumes")
@@ -339,12 +405,30 @@ class World:
                         f"rule 3/4: ISR member {n} lacks confirmed record {epoch}:{o} "
                         f"({self.record.describe()})"
                     )
+        self.check_messages()
         logs = [r.log for r in self.replicas.values()]
         for i, a in enumerate(logs):
             for b in logs[i + 1 :]:
                 common = [o for o in range(min(len(a), len(b))) if a[o] == b[o]]
                 if common and a[: common[-1] + 1] != b[: common[-1] + 1]:
                     raise Violation("log matching: two logs agree on a record, not before it")
+
+    def check_messages(self) -> None:
+        """Every confirmed message, by its content, on every whole in-sync member (as rule
+        3/4 asks of their logs): not merely some message under the same id."""
+        if not self.messages:
+            return
+        for n in sorted(self.record.isr - set(self.wiped)):
+            log = self.replicas[n].log
+            if not isinstance(log, MessageLog) or not log.whole:
+                continue
+            contents = set(log.held.values())
+            for o, epoch in self.confirmed.items():
+                if (epoch, o) not in contents and len(log) >= o:
+                    raise Violation(
+                        f"confirmed message lost: {n} holds {log.held.get(message_id(epoch, o))}"
+                        f" where confirmed message {epoch}:{o} should be"
+                    )
 
     def run(self) -> None:
         for _ in range(self.steps):

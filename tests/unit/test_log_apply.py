@@ -3,6 +3,7 @@ node that recovers from its durable records, hold what the primary holds. Pure, 
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 from hypothesis import given, settings
@@ -231,3 +232,108 @@ def test_a_transaction_is_one_group_of_records() -> None:
     assert partial.vhost("/").queues["q"].depth == 0  # an unfinished group: nothing
     whole, _ = replay(wire.frames)
     assert whole.vhost("/").queues["q"].depth == 2
+
+
+# -- issue 14: records carry AMQP values as AMQP values; apply decides nothing --
+
+field_values = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**63 - 1),
+        st.floats(allow_nan=False),
+        st.decimals(
+            allow_nan=False, allow_infinity=False, places=3, min_value=-(10**6), max_value=10**6
+        ),
+        st.text(max_size=20),
+        st.binary(max_size=20).map(bytearray),
+        st.datetimes(
+            min_value=datetime.datetime(1970, 1, 1),
+            max_value=datetime.datetime(2100, 1, 1),  # pamqp reads later ones as ms
+        ).map(lambda d: d.replace(microsecond=0, tzinfo=datetime.UTC)),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=12), field_values, max_size=6))
+def test_a_structured_payload_round_trips_every_field_type(arguments: dict[str, Any]) -> None:
+    payload = records.define("/", "queue.declare", {"name": "q", "arguments": arguments})
+    assert records.decode_body(payload)["body"]["arguments"] == arguments
+
+
+def test_a_payload_written_as_json_by_an_older_version_is_still_read() -> None:
+    old = b'{"vhost":"/","op":"queue.declare","body":{"name":"q","arguments":{"x-a":1}}}'
+    assert records.decode_body(old)["body"] == {"name": "q", "arguments": {"x-a": 1}}
+
+
+def test_a_message_id_holds_its_epoch_and_a_key_without_one_reads_as_epoch_0() -> None:
+    m = records.mid(7, 42)
+    assert (records.mid_epoch(m), records.mid_offset(m)) == (7, 42)
+    assert records.mid(7, 42) > records.mid(6, 10**12) > records.mid(0, 10**15)
+    assert records.read_key(records.key("/", "q", m)) == ("/", "q", m)
+    legacy = records.key("/", "q", 42)[: -records.U32.size]  # as written before epochs
+    assert records.read_key(legacy) == ("/", "q", 42)
+
+
+def declare_record(name: str, **body: Any) -> bytes:
+    full = {"name": name, "durable": True, "auto_delete": False, "arguments": {}, **body}
+    return records.define("/", "queue.declare", full)
+
+
+def test_apply_makes_a_declaration_so_without_a_clients_checks() -> None:
+    """A server-named queue and arguments the edge would refuse now are what the primary
+    decided (or an older version did): apply creates them, it does not judge them."""
+    b = Broker(Sequencer())
+    b.add_vhost("/")
+    apply.apply(b, records.DEFINE, declare_record("amq.gen-x1"))
+    apply.apply(b, records.DEFINE, declare_record("odd", arguments={"x-max-length": "ten"}))
+    queues = b.vhost("/").queues
+    assert {"amq.gen-x1", "odd"} <= set(queues) and queues["odd"].max_length is None
+
+
+def test_a_declaration_over_a_queue_with_other_properties_replaces_it() -> None:
+    """A copy restating a queue that was deleted and declared again with other arguments."""
+    b = Broker(Sequencer())
+    vh = b.add_vhost("/")
+    apply.apply(b, records.DEFINE, declare_record("q", arguments={"x-max-length": 1}))
+    apply.apply(b, records.DEFINE, declare_record("q", arguments={"x-max-length": 5}))
+    assert vh.queues["q"].max_length == 5
+    exchange = {"name": "x", "durable": True, "auto_delete": False, "internal": False}
+    apply.apply(
+        b,
+        records.DEFINE,
+        records.define("/", "exchange.declare", {**exchange, "type": "fanout", "arguments": {}}),
+    )
+    apply.apply(
+        b,
+        records.DEFINE,
+        records.define("/", "exchange.declare", {**exchange, "type": "topic", "arguments": {}}),
+    )
+    assert vh.exchanges["x"].kind == "topic"
+
+
+def test_a_record_that_cannot_apply_is_named_and_the_backup_asks_for_a_copy() -> None:
+    """Issue 14: said once, with its position; the frame is not taken twice; the member is
+    no longer whole (it takes a copy), and nothing escapes to the replication link."""
+    from tandem.broker.replication import core
+    from tandem.broker.replication.log import BrokerLog
+
+    seq = Sequencer()
+    b = Broker(seq)
+    b.add_vhost("/")
+    log = BrokerLog(b, seq, None)
+    log.lost = False
+    bad = records.frame(records.ENQUEUE, 1, 1, b"\x00\x01/", durable=False)
+    good = records.frame(records.DEFINE, 1, 2, declare_record("q"), durable=False)
+    replica = core.Replica("b", log=log)
+    replica.following, replica.synced, replica.epoch = "a", True, 1
+    out = replica.peer(core.Append("a", 1, 1, (bad, good)))
+    assert [type(m).__name__ for _dest, m in out] == ["Hello"]
+    assert [(e, o) for e, o, _what in log.not_applied] == [(1, 1)]
+    assert "enqueue" in log.not_applied[0][2] and not log.whole
+    assert "q" in b.vhost("/").queues and log.end == 2
