@@ -11,6 +11,14 @@ are counted; outside the failover windows the confirm rate stays within 50% of t
 measured before the faults; no log has the bug phrase.
 
     CHAOS_SEED=7 CHAOS_FAULTS=12 python3 -m pytest tests/chaos -s
+
+A "stale" fault pauses the primary with a client connected straight to it (not through the
+front port), waits until another member serves, resumes the old primary and has that client
+publish to it at once: writes no one confirms, in a suffix of the log that diverges from the
+new primary's. `test_paused_primaries_with_a_stale_writer` does only that, CHAOS_PAUSES
+times (5 in CI; the issue's run is 20):
+
+    CHAOS_PAUSES=20 python3 -m pytest tests/chaos -s -k stale
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from tests.support import BUG_PHRASE
 
 SEED = int(os.environ.get("CHAOS_SEED", "1"))
 FAULTS = int(os.environ.get("CHAOS_FAULTS", "8"))
+PAUSES = int(os.environ.get("CHAOS_PAUSES", "5"))
+STALE_IDS = 10**9  # the stale writer's ids: never confirmed, never among a publisher's
 PUBLISHERS = 3  # the load: each a pika publisher with confirms, each checked
 BASELINE_SECONDS = 4.0
 
@@ -207,8 +217,45 @@ def drain(url: str, queue: str) -> list[int]:
     return [int(body) for body in support.drain(conn, queue)]
 
 
+def stale_pause(h: Harness, primary: dict[str, Any], queue: str, rng: random.Random) -> int:
+    """Pause the primary; once another member serves, resume it and publish to it through a
+    connection made before the pause. Returns how many stale publishes went out."""
+    conn = pika.BlockingConnection(
+        pika.ConnectionParameters("127.0.0.1", primary["amqp_port"], heartbeat=0)
+    )
+    ch = conn.channel()
+    os.kill(primary["pid"], signal.SIGSTOP)
+    try:
+        h.wait_for(
+            lambda c: c["serving"] and c["primary"] not in (None, primary["node"]),
+            "a new primary",
+        )
+    finally:
+        os.kill(primary["pid"], signal.SIGCONT)
+    sent = 0
+    with contextlib.suppress(pika.exceptions.AMQPError, OSError):
+        for k in range(rng.randint(20, 200)):
+            ch.basic_publish("", queue, str(STALE_IDS + k).encode())
+            sent += 1
+        conn.close()
+    return sent
+
+
 def test_chaos(tmp_path: Path) -> None:
+    chaos(tmp_path, ["kill", "stop", "stale", "kill_backup", "cut", "delay"], FAULTS)
+
+
+def test_paused_primaries_with_a_stale_writer(tmp_path: Path) -> None:
+    """Issue 14, problem 0: confirmed messages were lost after a paused primary came back
+    and a client still connected to it wrote."""
+    stale = chaos(tmp_path, ["stale"], PAUSES)
+    assert stale > 0
+
+
+def chaos(tmp_path: Path, kinds: list[str], faults: int) -> int:
+    """Faults of these kinds under load; returns how many stale publishes were made."""
     rng = random.Random(SEED)
+    stale = 0
     h = Harness(tmp_path / "cluster")
     h.start()
     pubs = [Publisher(h.url(), f"chaos-{i}") for i in range(PUBLISHERS)]
@@ -224,11 +271,11 @@ def test_chaos(tmp_path: Path) -> None:
         baseline = sum(1 for t in confirm_times() if t >= t0) / BASELINE_SECONDS
         assert baseline > 50, f"publisher too slow to judge: {baseline:.0f}/s"
         windows: list[tuple[float, float, str]] = []
-        for _ in range(FAULTS):
+        for _ in range(faults):
             c = h.wait_for(lambda c: c["serving"] and len(c["isr"]) >= 2, "a serving primary")
             primary = next(m for m in c["members"] if m["node"] == c["primary"])
             backups = [m for m in c["members"] if m["role"] == "backup" and m["pid"]]
-            kind = rng.choice(["kill", "stop", "kill_backup", "cut", "delay"])
+            kind = rng.choice(kinds)
             start = time.monotonic()
             if kind == "kill":
                 os.kill(primary["pid"], signal.SIGKILL)
@@ -236,6 +283,8 @@ def test_chaos(tmp_path: Path) -> None:
                 os.kill(primary["pid"], signal.SIGSTOP)
                 time.sleep(rng.uniform(1.5, 3.0))  # the length of the pause is the fault
                 os.kill(primary["pid"], signal.SIGCONT)
+            elif kind == "stale":
+                stale += stale_pause(h, primary, pubs[0].queue, rng)
             elif kind == "kill_backup" and backups:
                 os.kill(rng.choice(backups)["pid"], signal.SIGKILL)
             elif kind == "cut":
@@ -259,8 +308,11 @@ def test_chaos(tmp_path: Path) -> None:
     times = confirm_times()
     missing: list[tuple[str, int]] = []
     duplicates = consumed = 0
+    leftover: list[int] = []  # stale writes: a diverged suffix, dropped when its node rejoins
     for pub in pubs:
         got = drain(h.url(), pub.queue)
+        leftover += [i for i in got if i >= STALE_IDS]
+        got = [i for i in got if i < STALE_IDS]
         consumed += len(got)
         missing += [(pub.queue, i) for i in sorted(set(pub.confirmed) - set(got))]
         duplicates += len(got) - len(set(got))
@@ -277,11 +329,15 @@ def test_chaos(tmp_path: Path) -> None:
         second += 1
     report = (
         f"seed {SEED}: {len(times)} confirmed, {consumed} consumed, {duplicates} "
-        f"duplicates, {sum(p.reconnects for p in pubs)} reconnects, baseline {baseline:.0f}/s, "
+        f"duplicates, {stale} stale publishes ({len(leftover)} left in the queue), "
+        f"{sum(p.reconnects for p in pubs)} reconnects, "
+        f"baseline {baseline:.0f}/s, "
         f"faults "
         f"{[k for _s, _e, k in windows]}, slow seconds {slow}"
     )
     print(report)
     assert not missing, f"{len(missing)} confirmed messages lost, first {missing[:10]}; {report}"
     assert not slow, report
+    assert not leftover, f"messages of a diverged suffix survived: {report}"
     assert BUG_PHRASE not in h.logs()
+    return stale
