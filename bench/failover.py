@@ -3,6 +3,7 @@ primary (Tandem) or the quorum queue's leader node (RabbitMQ) is killed with SIG
 with SIGSTOP, side by side on this machine.
 
     python bench/failover.py [--kills 20] [--stops 10] [--pause 5] [--only tandem|rabbitmq]
+                             [--stale-writer]
 
 The publisher is pika with publisher confirms, heartbeat 1 s and a 0.1 s retry delay; it
 republishes an unconfirmed message after reconnecting. Tandem's clients use the front port
@@ -10,6 +11,12 @@ only; RabbitMQ's try its three nodes in turn. A paused process stays paused for 
 (longer than either system's failover), so the figure is what a client waits for when a
 primary hangs. Prints each gap, then p50, p99 and max per fault and system, and the number of
 confirmed messages that were not consumed afterwards (it must be 0).
+
+With --stale-writer (Tandem), each paused primary has a second client connected straight to
+it (not through the front port), which publishes as soon as the pause ends, while another
+member already serves: writes nobody confirms, in a diverged suffix of the old primary's
+log. They must not take the place of a confirmed message, nor stay in the queue once the
+old primary has rejoined; the summary counts both.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import pika.exceptions
 from clusters import RabbitCluster, TandemCluster
 
 QUEUE = "failover-probe"
+STALE_IDS = 10**9  # the stale writer's ids, apart from the probe's
 
 
 class Probe(threading.Thread):
@@ -93,13 +101,39 @@ def steady(probe: Probe, seconds: float = 1.0) -> None:
         time.sleep(0.05)
 
 
+def stale_client(cluster: TandemCluster) -> pika.BlockingConnection:
+    """A client of the primary itself, made before it is paused."""
+    s = cluster.state()
+    port = next(m["amqp_port"] for m in s["members"] if m["node"] == s["primary"])
+    return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port, heartbeat=0))
+
+
+def stale_writes(conn: pika.BlockingConnection, count: int = 100) -> int:
+    sent = 0
+    try:
+        ch = conn.channel()
+        for k in range(count):
+            ch.basic_publish("", QUEUE, str(STALE_IDS + k).encode())
+            sent += 1
+        conn.close()
+    except (pika.exceptions.AMQPError, OSError):
+        pass  # the old primary closes its clients once it learns of the new epoch
+    return sent
+
+
 def measure(
-    name: str, cluster: TandemCluster | RabbitCluster, kills: int, stops: int, pause: float
+    name: str,
+    cluster: TandemCluster | RabbitCluster,
+    kills: int,
+    stops: int,
+    pause: float,
+    stale_writer: bool = False,
 ) -> dict[str, list[float]]:
     probe = Probe(cluster.urls)
     probe.start()
     steady(probe, 2.0)
     gaps: dict[str, list[float]] = {"kill -9": [], "SIGSTOP": []}
+    stale_sent = 0
     for kind, times in (("kill -9", kills), ("SIGSTOP", stops)):
         for i in range(times):
             pid = (
@@ -112,9 +146,14 @@ def measure(
                 os.kill(pid, signal.SIGKILL)
                 steady(probe)
             else:
+                stale = None
+                if stale_writer and isinstance(cluster, TandemCluster):
+                    stale = stale_client(cluster)
                 os.kill(pid, signal.SIGSTOP)
                 time.sleep(pause)  # the length of the hang is the fault being measured
                 os.kill(pid, signal.SIGCONT)
+                if stale is not None:
+                    stale_sent += stale_writes(stale)
                 steady(probe)
             gap = probe.gap_since(start)
             gaps[kind].append(gap)
@@ -126,8 +165,12 @@ def measure(
             steady(probe)
     probe.halt.set()
     probe.join(30)
-    lost = probe.confirmed - drain(cluster.urls)
+    got = drain(cluster.urls)
+    lost = probe.confirmed - got
+    leftover = {i for i in got if i >= STALE_IDS}
     print(f"  {name}: {len(probe.confirmed)} confirmed, {len(lost)} not consumed afterwards")
+    if stale_writer:
+        print(f"  {name}: {stale_sent} stale publishes, {len(leftover)} left in the queue")
     gaps["lost"] = [float(len(lost))]
     return gaps
 
@@ -143,6 +186,7 @@ def main() -> int:
     ap.add_argument("--stops", type=int, default=10)
     ap.add_argument("--pause", type=float, default=5.0)
     ap.add_argument("--only", choices=("tandem", "rabbitmq"))
+    ap.add_argument("--stale-writer", action="store_true", help="see the docstring")
     args = ap.parse_args()
     results: dict[str, dict[str, list[float]]] = {}
     for name in ("tandem", "rabbitmq"):
@@ -152,7 +196,9 @@ def main() -> int:
             TandemCluster() if name == "tandem" else RabbitCluster()
         )
         try:
-            results[name] = measure(name, cluster, args.kills, args.stops, args.pause)
+            results[name] = measure(
+                name, cluster, args.kills, args.stops, args.pause, args.stale_writer
+            )
         finally:
             cluster.stop()
     print()

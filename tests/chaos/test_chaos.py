@@ -38,6 +38,7 @@ from typing import Any
 
 import pika
 import pika.exceptions
+import pytest
 
 from tandem.local.cluster import LocalCluster
 from tandem.local.members import Proc
@@ -241,10 +242,12 @@ def stale_pause(h: Harness, primary: dict[str, Any], queue: str, rng: random.Ran
     return sent
 
 
+@pytest.mark.timeout(120 + 20 * FAULTS)
 def test_chaos(tmp_path: Path) -> None:
     chaos(tmp_path, ["kill", "stop", "stale", "kill_backup", "cut", "delay"], FAULTS)
 
 
+@pytest.mark.timeout(120 + 20 * PAUSES)
 def test_paused_primaries_with_a_stale_writer(tmp_path: Path) -> None:
     """Issue 14, problem 0: confirmed messages were lost after a paused primary came back
     and a client still connected to it wrote."""

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ValidationError
 
 from tandem.broker.config import Config
-from tandem.broker.model import definitions, spec
+from tandem.broker.model import definitions, spec, state
 from tandem.broker.model.broker import Broker
 from tandem.broker.protocol.connection import Connection
 from tandem.broker.replication.member import Member
@@ -375,7 +375,13 @@ def make_app(node: Node) -> web.Application:
         return web.json_response({"deleted": True})
 
     async def export_definitions(request: web.Request) -> web.Response:
-        return web.json_response(definitions.export(node.broker))
+        return web.json_response(definitions.json_safe(definitions.export(node.broker)))
+
+    async def dump_state(request: web.Request) -> web.Response:
+        """The whole state, exact to the byte (model/state.py); ?durable=true: only what a
+        restart keeps."""
+        durable = request.query.get("durable", "") in ("1", "true")
+        return web.json_response(state.dump(node.broker, durable_only=durable))
 
     async def list_queues(request: web.Request) -> web.Response:
         return web.json_response(node.status()["queues"])
@@ -398,6 +404,7 @@ def make_app(node: Node) -> web.Application:
             web.delete("/api/permissions/{vhost}/{user}", delete_permission),
             web.get("/api/queues", list_queues),
             web.get("/api/definitions", export_definitions),
+            web.get("/api/state", dump_state),
             web.post("/ha/{command}", ha),
             web.get("/replication/checkpoints", checkpoints),
             web.post("/replication/checkpoints", checkpoints),

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from tandem import errors
 from tandem.broker import admin, server
 from tandem.broker.config import Config
-from tandem.broker.model import apply, definitions
+from tandem.broker.model import apply, definitions, records
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.spec import UserSpec
@@ -365,6 +365,9 @@ class Node:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
+        if os.environ.get("TANDEM_TEST_FAULT_BYTES_AS_TEXT"):
+            log.warning("TEST FAULT: records write byte strings as text")
+            records.BYTES_AS_TEXT = True
         if self.store is not None:
             result = self.store.open(
                 self.broker, self.sequencer, loop, stop_at_corrupt=self.cluster_key is not None

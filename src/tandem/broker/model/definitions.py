@@ -9,6 +9,8 @@ applied.
 
 from __future__ import annotations
 
+import datetime
+import decimal
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -135,6 +137,22 @@ def export_auth(broker: Broker) -> dict[str, Any]:
     }
 
 
+def json_safe(value: Any) -> Any:
+    """AMQP field values as JSON can show them, as RabbitMQ's export does: byte strings as
+    text, decimals as numbers in a string, timestamps in ISO 8601."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, datetime.datetime):
+        return value.isoformat()
+    return value
+
+
 def export(broker: Broker) -> dict[str, Any]:
     """Tandem's users and durable definitions in RabbitMQ's format."""
     out: dict[str, Any] = {
@@ -149,8 +167,10 @@ def export(broker: Broker) -> dict[str, Any]:
             if ex.durable and ex.name and not ex.name.startswith("amq."):
                 out["exchanges"].append({"vhost": vh.name, **vh.exchange_body(ex)})
         for q in vh.queues.values():
-            if q.durable:
-                out["queues"].append({"vhost": vh.name, **vh.queue_body(q)})
+            if q.durable and q.exclusive_owner is None:  # RabbitMQ exports no exclusive ones
+                body = vh.queue_body(q)
+                del body["exclusive"]
+                out["queues"].append({"vhost": vh.name, **body})
         for b in vh.bindings():
             dest = b.destination
             if (

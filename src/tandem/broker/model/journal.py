@@ -63,6 +63,9 @@ class Journal(Protocol):
     def mark(self, queue: Queue, msg: Message) -> int:
         """A message was delivered to a consumer and awaits its ack."""
 
+    def requeued(self, queue: Queue, msg: Message) -> int:
+        """A delivered message went back to its queue, flagged redelivered."""
+
     def must_wait(self, queue: Queue, msg: Message) -> bool:
         """True when a confirm of msg on queue waits for `when_done`."""
 
@@ -220,6 +223,15 @@ class Sequencer:
         return self._record(
             records.MARK, records.key(queue.vhost.name, queue.name, msg.mid), False, True, None
         )
+
+    def requeued(self, queue: Queue, msg: Message) -> int:
+        """A persistent message on a durable queue was requeued: its redelivered flag is
+        recorded (a durable MARK), so that it survives a restart. Requeues are rare, so the
+        cost stays off the hot path; a delivery alone is marked only for replication."""
+        if self.applying or not (msg.persistent and queue.durable):
+            return 0
+        key = records.key(queue.vhost.name, queue.name, msg.mid)
+        return self._record(records.MARK, key, True, queue.replicate == "all", None)
 
     def checkpoint(self, body: dict[str, Any]) -> int:
         """An audit marker in the replicated stream; returns its offset."""

@@ -394,6 +394,7 @@ class Queue:
             msg = msg.copy()
             msg.refs = 1
         msg.redelivered = True
+        self.vhost.journal.requeued(self, msg)
         self.messages.appendleft(msg)
         self.bytes += msg.body_size
 

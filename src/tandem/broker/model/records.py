@@ -228,6 +228,10 @@ class Reader:
 # stays a decimal, a timestamp a timestamp, nested tables and arrays as they were. Payloads
 # written before it are JSON objects (they begin with "{") and are still read.
 TABLE = b"\x01"
+# A test-only fault (the differential test's mutation check): write byte strings as text,
+# as a codec that dropped the byte-array type would. Set by TANDEM_TEST_FAULT_BYTES_AS_TEXT;
+# never in use.
+BYTES_AS_TEXT = False
 
 
 def encode_body(value: dict[str, Any]) -> bytes:
@@ -278,6 +282,8 @@ def _value(v: Any) -> bytes:
     if isinstance(v, str):
         return b"S" + amqp_encode.long_string(v)
     if isinstance(v, (bytes, bytearray, memoryview)):
+        if BYTES_AS_TEXT:
+            return b"S" + amqp_encode.long_string(bytes(v).decode("utf-8", "replace"))
         return b"x" + U32.pack(len(v)) + bytes(v)
     if isinstance(v, datetime.datetime):
         return b"T" + amqp_encode.timestamp(v)
