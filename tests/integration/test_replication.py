@@ -315,19 +315,17 @@ def test_a_committed_transaction_is_on_the_backup_whole(cluster: Cluster) -> Non
     assert b.queue("q")["depth"] == 14
 
 
-def test_a_member_whose_log_diverged_takes_the_difference_and_starts_its_log_over(
-    cluster: Cluster,
-) -> None:
-    """Rule 5 and catch-up: an old primary comes back with records the new primary never
-    had; it takes the difference, not a full copy, and its log starts over from what it
-    then holds, so that it reads back the same."""
+def diverge(cluster: Cluster, ahead: int, start: int = 5) -> tuple[Broker, Broker]:
+    """a, primary of epoch 1, takes `ahead` messages b never sees (ids from `start`), dies;
+    b, primary of epoch 2, takes 100..102 at the same offsets; a comes back and follows b,
+    which then takes 103 (confirmed: a holds what b holds). Queue `q` holds 0..4 before."""
     a, b = cluster.add("a", isr_min=1), cluster.add("b", isr_min=1)
     cluster.promote("a", 1, ["a", "b"])
     cluster.follow("b", "a", 1)
     publish(a, "q", 5)
     b.kill()
     cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a"])})
-    publish(a, "q", 10, start=5)  # confirmed by a alone (ISR minimum 1): b never sees them
+    publish(a, "q", ahead, start=start)  # confirmed by a alone (ISR minimum 1)
     a.kill()
     b.start()
     cluster.ha("b", "fence", {"epoch": 2})
@@ -336,7 +334,17 @@ def test_a_member_whose_log_diverged_takes_the_difference_and_starts_its_log_ove
     a.start()
     cluster.follow("a", "b", 2)
     cluster.ha("b", "record", {"record": cluster.record("b", 2, ["a", "b"])})
-    publish(b, "q", 1, start=103)  # confirmed: a holds what b holds
+    publish(b, "q", 1, start=103)
+    return a, b
+
+
+def test_a_member_whose_log_diverged_takes_the_difference_and_starts_its_log_over(
+    cluster: Cluster,
+) -> None:
+    """Rule 5 and catch-up: an old primary comes back with records the new primary never
+    had; it takes the difference, not a full copy, and its log starts over from what it
+    then holds, so that it reads back the same."""
+    a, b = diverge(cluster, ahead=10)
     assert "took the difference from the primary" in a.log()
     assert "the log starts over from what this node holds" in a.log()
     assert a.queue("q")["depth"] == b.queue("q")["depth"] == 9
@@ -443,22 +451,7 @@ def test_a_stale_primarys_messages_never_pass_for_the_new_primarys_at_the_same_o
     replaces its stale messages with the confirmed ones; promoted later, it has every
     confirmed message and none of the stale ones. (With ids by offset alone it kept the
     stale ones and lost the confirmed.)"""
-    a, b = cluster.add("a", isr_min=1), cluster.add("b", isr_min=1)
-    cluster.promote("a", 1, ["a", "b"])
-    cluster.follow("b", "a", 1)
-    publish(a, "q", 5)
-    b.kill()
-    cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a"])})
-    publish(a, "q", 3, start=900)  # the stale writer: b never sees these
-    a.kill()
-    b.start()
-    cluster.ha("b", "fence", {"epoch": 2})
-    cluster.promote("b", 2, ["b"])
-    publish(b, "q", 3, start=100)  # confirmed, at the offsets a used for 900..902
-    a.start()
-    cluster.follow("a", "b", 2)
-    cluster.ha("b", "record", {"record": cluster.record("b", 2, ["a", "b"])})
-    publish(b, "q", 1, start=103)  # confirmed once a holds it too
+    a, b = diverge(cluster, ahead=3, start=900)  # b's 100..102 sit at a's 900..902 offsets
     b.kill()
     cluster.ha("a", "fence", {"epoch": 3})
     cluster.promote("a", 3, ["a"])
