@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from tests.differential import surface
@@ -58,6 +58,18 @@ def check(broker: Broker, vhost: str, ops: list[tuple[Any, ...]]) -> list[str]:
     return client.refused
 
 
+# Sequences every run tries first (hypothesis's explicit examples): a durable queue and a
+# binding whose tables hold every field type pika sends.
+EXAMPLES: list[list[tuple[Any, ...]]] = [
+    [
+        ("declare_queue", "q0", True, False, False, {"x-custom": b"\x00bytes"}),
+        ("declare_exchange", "x0", "headers", True, {}),
+        ("bind", "q0", "x0", "", {"x-match": "any", "k": b"\x01", "d": surface.DECIMAL("2.5")}),
+        ("publish", "x0", "", b"m", {"delivery_mode": 2, "headers": {"k": b"\x01"}}, False),
+    ]
+]
+
+
 def run(root: Path, count: int, seed: int | None = None, shrink: bool = True) -> dict[str, int]:
     """`count` sequences against one broker; raises the shortest failing sequence's error
     (the first one found, without `shrink`). Returns figures: sequences, operations,
@@ -80,6 +92,8 @@ def run(root: Path, count: int, seed: int | None = None, shrink: bool = True) ->
         figures["operations"] += len(ops)
         figures["refused"] += len(refused)
 
+    for ops in EXAMPLES:
+        one = example(ops)(one)
     test = hypothesis_seed(seed)(one) if seed is not None else one
     try:
         test()

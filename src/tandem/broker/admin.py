@@ -6,6 +6,8 @@ configured.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -343,6 +345,7 @@ def make_app(node: Node) -> web.Application:
         if not node.delete_vhost(name):
             return _json_error(404, f"no vhost '{name}'")
         node.save_auth()
+        await _recorded(node.broker)  # answered once the deletion survives a crash
         return web.json_response({"deleted": name})
 
     async def list_permissions(request: web.Request) -> web.Response:
@@ -411,6 +414,20 @@ def make_app(node: Node) -> web.Application:
         ]
     )
     return app
+
+
+async def _recorded(broker: Broker, timeout: float = 10.0) -> None:
+    """Wait until what the model recorded so far is on disk and held by the in-sync set, as a
+    confirm does (at most `timeout`: an admin call does not hang on a blocked cluster)."""
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def finish() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    broker.journal.when_done(finish)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(done, timeout)
 
 
 async def _body(request: web.Request, empty: bool = False) -> dict[str, Any]:
