@@ -51,26 +51,17 @@ async def test_every_write_takes_a_new_resource_version_and_a_stale_one_is_refus
     assert status in (200, 201), made
     first = made["metadata"]["resourceVersion"]
 
-    merge = "application/merge-patch+json"
-    status, patched = await call(
-        kmock,
-        "PATCH",
-        f"{LEASES}/a",
-        {"metadata": {"resourceVersion": first}, "spec": {"holderIdentity": "x"}},
-        merge,
-    )
+    async def merge_patch(version: str, holder: str) -> tuple[int, Any]:
+        body = {"metadata": {"resourceVersion": version}, "spec": {"holderIdentity": holder}}
+        return await call(kmock, "PATCH", f"{LEASES}/a", body, "application/merge-patch+json")
+
+    status, patched = await merge_patch(first, "x")
     assert status == 200, patched
     second = patched["metadata"]["resourceVersion"]
     assert second != first and patched["spec"]["holderIdentity"] == "x"
 
     # The same write again carries the version it read before: refused, nothing changed.
-    status, refused = await call(
-        kmock,
-        "PATCH",
-        f"{LEASES}/a",
-        {"metadata": {"resourceVersion": first}, "spec": {"holderIdentity": "y"}},
-        merge,
-    )
+    status, refused = await merge_patch(first, "y")
     assert status == 409 and refused["reason"] == "Conflict", refused
 
     jsonpatch = "application/json-patch+json"

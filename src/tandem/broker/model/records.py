@@ -325,7 +325,7 @@ def mid_offset(message_id: int) -> int:
 
 def show_mid(message_id: int) -> str:
     """An id as people read positions: epoch:offset."""
-    return f"{message_id >> OFFSET_BITS}:{message_id & OFFSET_MASK}"
+    return f"{mid_epoch(message_id)}:{mid_offset(message_id)}"
 
 
 def enqueue(vhost: str, queue: str, msg: Message) -> bytes:
