@@ -56,7 +56,7 @@ def _running(pid: int) -> bool:
 
 
 class TandemCluster:
-    def __init__(self, replicas: int = 3) -> None:
+    def __init__(self, replicas: int = 3, env: dict[str, str] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-ha-bench-"))
         self.log = open(self.dir / "cluster.log", "wb")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(
@@ -77,6 +77,7 @@ class TandemCluster:
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
         info = _wait(lambda: json.loads((self.dir / "data" / "cluster.json").read_text()), "tandem")
         self.port, self.admin = info["amqp"], info["admin"]
@@ -172,6 +173,10 @@ class RabbitCluster:
     @property
     def urls(self) -> list[str]:
         return [f"amqp://guest:guest@127.0.0.1:{self.ports[n]}/%2F" for n in self.nodes]
+
+    @property
+    def pids(self) -> list[int]:
+        return [self.pid(n) for n in self.nodes]
 
     def leader(self, queue: str) -> str:
         for n in self.nodes:

@@ -1,6 +1,7 @@
 """Firehose: Tandem against RabbitMQ, same client (amqplib), same machine, one run.
 
     python bench/firehose.py [--runs 5] [--rss-count 1000000] [--rabbitmq-url URL]
+                             [--against TREE]
 
 (a) 100,000 transient 100-byte messages without confirms, (b) 50,000 persistent messages on a
 durable queue with publisher confirms, from one publisher and (c) from ten publisher
@@ -8,6 +9,11 @@ connections at once; one warm-up each, then RUNS runs alternating Tandem and Rab
 and the ratio Tandem/RabbitMQ. Then the RSS of each broker after 1,000,000
 transient 100-byte messages are queued and confirmed. RabbitMQ is started with
 `rabbitmq-server -detached` if nothing answers on its URL. Every message is checked to arrive.
+
+RabbitMQ is paused (SIGSTOP) while Tandem runs, so each broker is alone on the machine; each
+run prints the broker's CPU time per message. `--against TREE` also runs Tandem from another
+source tree (`git worktree add /tmp/before <commit>`), as `tandem@before`, alternating with
+the others: a change measured before and after in one run.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlparse
+
+import alone
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,7 +90,7 @@ def rss_mb(pid: int) -> float:
 
 
 class Tandem:
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
         self.proc = subprocess.Popen(
             [
@@ -99,6 +107,7 @@ class Tandem:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=env,
         )
         ports = self.dir / "ports.json"
         deadline = time.monotonic() + 30
@@ -119,10 +128,15 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--rss-count", type=int, default=1_000_000)
     ap.add_argument("--rabbitmq-url", default="amqp://guest:guest@127.0.0.1:5672")
+    ap.add_argument("--against", metavar="TREE", help="also run Tandem from this source tree")
     args = ap.parse_args()
     ensure_rabbitmq(args.rabbitmq_url)
-    tandem = Tandem()
-    brokers = {"tandem": tandem.url, "rabbitmq": args.rabbitmq_url}
+    rabbit = [rabbitmq_pid()]
+    tandems = {"tandem": Tandem()}
+    if args.against:
+        tandems["tandem@before"] = Tandem(alone.source_env(args.against))
+    brokers = {name: t.url for name, t in tandems.items()} | {"rabbitmq": args.rabbitmq_url}
+    pids = {name: [t.proc.pid] for name, t in tandems.items()} | {"rabbitmq": rabbit}
     modes = {
         "transient": ("100000", "1"),
         "persistent": ("50000", "1"),
@@ -131,36 +145,44 @@ def main() -> int:
     print(f"machine: {os.cpu_count()} cores; client: amqplib; runs: {args.runs}")
     try:
         results: dict[tuple[str, str], list[float]] = {}
+        costs: dict[tuple[str, str], list[float]] = {}
         for mode, (count, publishers) in modes.items():
             kind = mode.split("-")[0]
-            for url in brokers.values():
-                node("firehose.js", url, kind, count, publishers)  # warm-up
-            for run in range(args.runs):
+            for run in range(-1, args.runs):  # run -1: the warm-up
                 for name, url in brokers.items():
-                    r = node("firehose.js", url, kind, count, publishers)
-                    results.setdefault((name, mode), []).append(float(r["rate"]))  # type: ignore[arg-type]
+                    idle = [] if name == "rabbitmq" else rabbit
+                    with alone.paused(idle):
+                        cpu = alone.cpu_seconds(pids[name])
+                        r = node("firehose.js", url, kind, count, publishers)
+                        cpu = alone.cpu_seconds(pids[name]) - cpu
+                    if run < 0:
+                        continue
+                    rate = float(r["rate"])  # type: ignore[arg-type]
+                    results.setdefault((name, mode), []).append(rate)
+                    us = cpu / int(count) * 1e6
+                    costs.setdefault((name, mode), []).append(us)
                     print(
-                        f"  {mode:13} run {run + 1} {name:8} {float(r['rate']):9.0f} msg/s",
+                        f"  {mode:13} run {run + 1} {name:14} {rate:9.0f} msg/s "
+                        f"{us:6.1f} µs CPU/msg",
                         flush=True,
                     )
         print()
-        print(f"{'mode':15}{'tandem':>10}{'rabbitmq':>10}{'ratio':>8}   (median msg/s)")
-        for mode in modes:
-            t = statistics.median(results[("tandem", mode)])
-            r = statistics.median(results[("rabbitmq", mode)])
-            print(f"{mode:15}{t:10.0f}{r:10.0f}{t / r:8.2f}")
+        report(list(brokers), list(modes), results, costs)
         print()
         if args.rss_count:
-            tandem.stop()
+            for t in tandems.values():
+                t.stop()
             tandem = Tandem()
-            brokers["tandem"] = tandem.url
-            pids = {"tandem": tandem.proc.pid, "rabbitmq": rabbitmq_pid()}
+            tandems = {"tandem": tandem}
+            rss_brokers = {"tandem": tandem.url, "rabbitmq": args.rabbitmq_url}
+            rss_pids = {"tandem": tandem.proc.pid, "rabbitmq": rabbit[0]}
             rss: dict[str, float] = {}
-            for name, url in brokers.items():
+            for name, url in rss_brokers.items():
                 queue = f"rss-{os.getpid()}"
-                before = rss_mb(pids[name])
-                node("fill.js", url, queue, str(args.rss_count), timeout=1800)
-                rss[name] = rss_mb(pids[name])
+                before = rss_mb(rss_pids[name])
+                with alone.paused([] if name == "rabbitmq" else rabbit):
+                    node("fill.js", url, queue, str(args.rss_count), timeout=1800)
+                rss[name] = rss_mb(rss_pids[name])
                 print(
                     f"RSS {name:8} {before:8.0f} MB idle, {rss[name]:8.0f} MB with "
                     f"{args.rss_count:,} queued transient 100-byte messages",
@@ -169,8 +191,36 @@ def main() -> int:
                 subprocess.run(["node", "-e", _DELETE, url, queue], check=True, cwd=ROOT)
             print(f"RSS ratio tandem/rabbitmq: {rss['tandem'] / rss['rabbitmq']:.2f}")
     finally:
-        tandem.stop()
+        for t in tandems.values():
+            t.stop()
     return 0
+
+
+def report(
+    brokers: list[str],
+    modes: list[str],
+    results: dict[tuple[str, str], list[float]],
+    costs: dict[tuple[str, str], list[float]],
+) -> None:
+    """Medians per broker and mode, each Tandem's ratio to RabbitMQ, and (with two Tandems)
+    the change from before to after."""
+    tandems = [b for b in brokers if b != "rabbitmq"]
+    head = "".join(f"{b:>15}" for b in brokers)
+    ratios = "".join(f"{b + '/rmq':>18}" for b in tandems)
+    change = f"{'after/before':>14}" if "tandem@before" in tandems else ""
+    print(f"{'mode':15}{head}{ratios}{change}   (median msg/s)")
+    for mode in modes:
+        med = {b: statistics.median(results[(b, mode)]) for b in brokers}
+        line = f"{mode:15}" + "".join(f"{med[b]:15.0f}" for b in brokers)
+        line += "".join(f"{med[b] / med['rabbitmq']:18.2f}" for b in tandems)
+        if change:
+            line += f"{med['tandem'] / med['tandem@before']:14.3f}"
+        print(line)
+    print(f"{'mode':15}" + "".join(f"{b:>15}" for b in brokers) + "   (median µs CPU/msg)")
+    for mode in modes:
+        print(
+            f"{mode:15}" + "".join(f"{statistics.median(costs[(b, mode)]):15.1f}" for b in brokers)
+        )
 
 
 _DELETE = """

@@ -1,58 +1,71 @@
 """Replicated firehose: a 3-member Tandem cluster against a quorum queue on a 3-node RabbitMQ,
 same client (amqplib), same machine, one run.
 
-    python bench/replicated.py [--runs 5] [--count 50000]
+    python bench/replicated.py [--runs 5] [--count 50000] [--against TREE]
 
 Persistent 100-byte messages with publisher confirms on a durable queue declared
 `x-queue-type: quorum` (on Tandem every queue is replicated `all`, so the same declaration is
 a replicated queue there), from one publisher connection and from ten; one warm-up each, then
 RUNS runs alternating Tandem and RabbitMQ; medians and the ratio Tandem/RabbitMQ. The client
 connects to Tandem's front port and to RabbitMQ's first node (the queue's leader, as it is
-declared there). Every message is checked to arrive once and in order.
+declared there). Every message is checked to arrive once and in order. RabbitMQ's nodes are
+paused while Tandem runs; `--against TREE` adds a cluster run from another source tree, as in
+firehose.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
+import alone
 from clusters import RabbitCluster, TandemCluster
-from firehose import node
+from firehose import node, report
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--count", type=int, default=50_000)
+    ap.add_argument("--against", metavar="TREE", help="also run Tandem from this source tree")
     args = ap.parse_args()
-    tandem = TandemCluster()
+    tandems = {"tandem": TandemCluster()}
     rabbit = RabbitCluster()
     try:
-        urls = {
-            "tandem": tandem.urls[0].removesuffix("/%2F"),
-            "rabbitmq": rabbit.urls[0].removesuffix("/%2F"),
-        }
+        if args.against:
+            tandems["tandem@before"] = TandemCluster(env=alone.source_env(args.against))
+        urls = {n: t.urls[0].removesuffix("/%2F") for n, t in tandems.items()}
+        urls["rabbitmq"] = rabbit.urls[0].removesuffix("/%2F")
+        pids = {n: [t.proc.pid] for n, t in tandems.items()} | {"rabbitmq": rabbit.pids}
         print(f"machine: {os.cpu_count()} cores; client: amqplib; runs: {args.runs}")
         print("tandem: 3 members, ISR minimum 2; rabbitmq 3.10: 3 nodes, quorum queue")
+        print("rabbitmq's nodes are paused (SIGSTOP) while a tandem cluster runs")
         results: dict[tuple[str, str], list[float]] = {}
-        for publishers in ("1", "10"):
-            for url in urls.values():
-                node("firehose.js", url, "quorum", str(args.count), publishers)  # warm-up
-            for run in range(args.runs):
+        costs: dict[tuple[str, str], list[float]] = {}
+        modes = ("1", "10")
+        for publishers in modes:
+            for run in range(-1, args.runs):  # run -1: the warm-up
                 for name, url in urls.items():
-                    r = node("firehose.js", url, "quorum", str(args.count), publishers)
+                    with alone.paused([] if name == "rabbitmq" else rabbit.pids):
+                        cpu = alone.cpu_seconds(pids[name])
+                        r = node("firehose.js", url, "quorum", str(args.count), publishers)
+                        cpu = alone.cpu_seconds(pids[name]) - cpu
+                    if run < 0:
+                        continue
                     rate = float(r["rate"])  # type: ignore[arg-type]
+                    us = cpu / args.count * 1e6
                     results.setdefault((name, publishers), []).append(rate)
-                    print(f"  {publishers:>2} publishers run {run + 1} {name:8} {rate:9.0f} msg/s")
+                    costs.setdefault((name, publishers), []).append(us)
+                    print(
+                        f"  {publishers:>2} publishers run {run + 1} {name:14} {rate:9.0f} msg/s "
+                        f"{us:6.1f} µs CPU/msg (all members)",
+                        flush=True,
+                    )
         print()
-        print(f"{'publishers':12}{'tandem':>10}{'rabbitmq':>10}{'ratio':>8}   (median msg/s)")
-        for publishers in ("1", "10"):
-            t = statistics.median(results[("tandem", publishers)])
-            r = statistics.median(results[("rabbitmq", publishers)])
-            print(f"{publishers:12}{t:10.0f}{r:10.0f}{t / r:8.2f}")
+        report(list(urls), list(modes), results, costs)
     finally:
-        tandem.stop()
+        for t in tandems.values():
+            t.stop()
         rabbit.stop()
     return 0
 
