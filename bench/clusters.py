@@ -56,7 +56,7 @@ def _running(pid: int) -> bool:
 
 
 class TandemCluster:
-    def __init__(self, replicas: int = 3, env: dict[str, str] | None = None) -> None:
+    def __init__(self, replicas: int = 3, env: dict[str, str] | None = None, *args: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-ha-bench-"))
         self.log = open(self.dir / "cluster.log", "wb")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(
@@ -74,6 +74,7 @@ class TandemCluster:
                 "0",
                 "--data-dir",
                 str(self.dir / "data"),
+                *args,
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,

@@ -16,6 +16,15 @@ async function main() {
   const pubConns = [];
   for (let p = 0; p < publishers; p++) pubConns.push(await amqp.connect(url));
   const subConn = await amqp.connect(url);
+  // A connection or channel the broker closes mid-run fails the run loudly: otherwise the
+  // pending promises would never settle and node would exit 0 with nothing printed.
+  let finishing = false;
+  const watch = (what, emitter) => {
+    emitter.on('error', (err) => { console.error(`${what} error: ${err.message}`); process.exit(3); });
+    emitter.on('close', () => { if (!finishing) { console.error(`${what} closed mid-run`); process.exit(3); } });
+  };
+  pubConns.forEach((c, i) => watch(`publisher connection ${i}`, c));
+  watch('consumer connection', subConn);
   const sub = await subConn.createChannel();
   const options = mode === 'quorum'
     ? { durable: true, arguments: { 'x-queue-type': 'quorum' } }
@@ -24,6 +33,8 @@ async function main() {
   await sub.prefetch(1000);
   const pubs = [];
   for (const c of pubConns) pubs.push(persistent ? await c.createConfirmChannel() : await c.createChannel());
+  pubs.forEach((ch, i) => watch(`publisher channel ${i}`, ch));
+  watch('consumer channel', sub);
   const body = Buffer.alloc(100, 'x');
 
   let received = 0;
@@ -68,6 +79,7 @@ async function main() {
   await Promise.all(pubs.map((_, p) => publish(p)));
   await Promise.all([done, confirmsDone]);
   const seconds = Number(process.hrtime.bigint() - start) / 1e9;
+  finishing = true;
   await sub.deleteQueue(queue);
   for (const c of pubConns) await c.close();
   await subConn.close();
@@ -75,4 +87,10 @@ async function main() {
   if (bad || received !== count) process.exit(1);
 }
 
-main().catch((err) => { console.error(err); process.exit(2); });
+// Nothing left to wait for, yet no result: a promise that can no longer settle (a frame the
+// broker never sent). Said, not hidden behind exit code 0.
+let settled = false;
+process.on('beforeExit', () => {
+  if (!settled) { console.error('the run stalled: nothing left to wait for, no result'); process.exit(4); }
+});
+main().then(() => { settled = true; }).catch((err) => { console.error(err); process.exit(2); });

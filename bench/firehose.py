@@ -44,8 +44,8 @@ def node(script: str, *args: str, timeout: float = 600) -> dict[str, object]:
         timeout=timeout,
         cwd=ROOT,
     )
-    if out.returncode != 0:
-        raise SystemExit(f"{script} failed: {out.stdout}{out.stderr}")
+    if out.returncode != 0 or not out.stdout.strip():
+        raise SystemExit(f"{script} {' '.join(args)} failed: {out.stdout}{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -58,9 +58,11 @@ def reachable(url: str) -> bool:
         return False
 
 
-def ensure_rabbitmq(url: str) -> None:
+def ensure_rabbitmq(url: str) -> bool:
+    """Start RabbitMQ unless it answers on `url`; True when this call started it (and the
+    caller stops it: an idle Erlang node left running takes CPU from whatever runs next)."""
     if reachable(url):
-        return
+        return False
     if shutil.which("rabbitmq-server") is None:
         raise SystemExit(
             "RabbitMQ is not running and rabbitmq-server is not installed "
@@ -75,6 +77,7 @@ def ensure_rabbitmq(url: str) -> None:
         if time.monotonic() > deadline:
             raise SystemExit("RabbitMQ did not start in 120 s")
         time.sleep(0.5)
+    return True
 
 
 def rabbitmq_pid() -> int:
@@ -129,8 +132,11 @@ def main() -> int:
     ap.add_argument("--rss-count", type=int, default=1_000_000)
     ap.add_argument("--rabbitmq-url", default="amqp://guest:guest@127.0.0.1:5672")
     ap.add_argument("--against", metavar="TREE", help="also run Tandem from this source tree")
+    ap.add_argument(
+        "--modes", default="transient,persistent,persistent-10", help="which of the three"
+    )
     args = ap.parse_args()
-    ensure_rabbitmq(args.rabbitmq_url)
+    started = ensure_rabbitmq(args.rabbitmq_url)
     rabbit = [rabbitmq_pid()]
     tandems = {"tandem": Tandem()}
     if args.against:
@@ -142,6 +148,7 @@ def main() -> int:
         "persistent": ("50000", "1"),
         "persistent-10": ("50000", "10"),
     }
+    modes = {m: modes[m] for m in args.modes.split(",")}
     print(f"machine: {os.cpu_count()} cores; client: amqplib; runs: {args.runs}")
     try:
         results: dict[tuple[str, str], list[float]] = {}
@@ -193,6 +200,8 @@ def main() -> int:
     finally:
         for t in tandems.values():
             t.stop()
+        if started:
+            subprocess.run(["rabbitmqctl", "stop"], capture_output=True, check=False)
     return 0
 
 

@@ -28,17 +28,26 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--count", type=int, default=50_000)
     ap.add_argument("--against", metavar="TREE", help="also run Tandem from this source tree")
+    ap.add_argument(
+        "--failover-delay",
+        default="1.0",
+        help="Tandem's (the default's, 1 s, once failed over spuriously under this load)",
+    )
     args = ap.parse_args()
-    tandems = {"tandem": TandemCluster()}
+    extra = ("--failover-delay", args.failover_delay)
+    tandems = {"tandem": TandemCluster(3, None, *extra)}
     rabbit = RabbitCluster()
     try:
         if args.against:
-            tandems["tandem@before"] = TandemCluster(env=alone.source_env(args.against))
+            tandems["tandem@before"] = TandemCluster(3, alone.source_env(args.against), *extra)
         urls = {n: t.urls[0].removesuffix("/%2F") for n, t in tandems.items()}
         urls["rabbitmq"] = rabbit.urls[0].removesuffix("/%2F")
         pids = {n: [t.proc.pid] for n, t in tandems.items()} | {"rabbitmq": rabbit.pids}
         print(f"machine: {os.cpu_count()} cores; client: amqplib; runs: {args.runs}")
-        print("tandem: 3 members, ISR minimum 2; rabbitmq 3.10: 3 nodes, quorum queue")
+        print(
+            f"tandem: 3 members, ISR minimum 2, failover delay {args.failover_delay} s; "
+            "rabbitmq 3.10: 3 nodes, quorum queue"
+        )
         print("rabbitmq's nodes are paused (SIGSTOP) while a tandem cluster runs")
         results: dict[tuple[str, str], list[float]] = {}
         costs: dict[tuple[str, str], list[float]] = {}
