@@ -191,15 +191,14 @@ class Sequencer:
         durable, replicated = change
         offset = self._next()
         if not msg.mid:  # its first queue: the id is this record's (epoch, offset)
-            msg.mid = records.mid(self.epoch, offset)
-        vh = queue.vhost.name
+            msg.mid = (self.epoch << records.OFFSET_BITS) | offset  # records.mid, inlined
         self._emit(
             records.ENQUEUE,
             offset,
-            records.enqueue(vh, queue.name, msg),
+            records.enqueue_at(_place(queue), msg),
             durable,
             replicated,
-            (vh, queue.name, msg.mid),
+            (queue.vhost.name, queue.name, msg.mid),
         )
         return offset
 
@@ -208,21 +207,18 @@ class Sequencer:
         if change is None:
             return 0
         durable, replicated = change
-        vh = queue.vhost.name
         return self._record(
             records.DEQUEUE,
-            records.key(vh, queue.name, msg.mid),
+            records.key_at(_place(queue), msg.mid),
             durable,
             replicated,
-            (vh, queue.name, msg.mid),
+            (queue.vhost.name, queue.name, msg.mid),
         )
 
     def mark(self, queue: Queue, msg: Message) -> int:
         if self.applying or self.shipper is None or queue.replicate != "all":
             return 0
-        return self._record(
-            records.MARK, records.key(queue.vhost.name, queue.name, msg.mid), False, True, None
-        )
+        return self._record(records.MARK, records.key_at(_place(queue), msg.mid), False, True, None)
 
     def requeued(self, queue: Queue, msg: Message) -> int:
         """A persistent message on a durable queue was requeued: its redelivered flag is
@@ -230,7 +226,7 @@ class Sequencer:
         cost stays off the hot path; a delivery alone is marked only for replication."""
         if self.applying or not (msg.persistent and queue.durable):
             return 0
-        key = records.key(queue.vhost.name, queue.name, msg.mid)
+        key = records.key_at(_place(queue), msg.mid)
         return self._record(records.MARK, key, True, queue.replicate == "all", None)
 
     def checkpoint(self, body: dict[str, Any]) -> int:
@@ -316,3 +312,11 @@ class Sequencer:
                 callback()
             except Exception:
                 log.exception("unexpected error, please report it as a bug: a done callback")
+
+
+def _place(queue: Queue) -> bytes:
+    """The queue's records.place, made at its first message record and kept on it."""
+    where = queue.place
+    if not where:
+        where = queue.place = records.place(queue.vhost.name, queue.name)
+    return where

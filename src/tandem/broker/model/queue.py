@@ -194,6 +194,9 @@ class Queue:
         )
         self.bytes = 0  # body bytes of ready messages
         self.unacked = 0
+        # Its vhost and name as every message record of it begins (records.place), encoded
+        # once by the journal rather than at every record.
+        self.place = b""
         self.consumers: list[Consumer] = []
         self.rr = 0
         self.exclusive_consumer: Consumer | None = None
