@@ -140,6 +140,13 @@ def _cluster_status(args: argparse.Namespace) -> int:
         f"{answer['front']['port']}"
     )
     print(_table(answer["members"], CLUSTER_COLUMNS))
+    if answer.get("last_change"):
+        print(f"last change: {answer['last_change']}")
+    if answer.get("last_decision"):
+        print(f"last decision: {answer['last_decision']}")
+    for m in answer["members"]:
+        if m.get("diverged"):
+            print(f"{m['node']} diverged: {m['diverged']}")
     return 0
 
 

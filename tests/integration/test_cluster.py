@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,12 +13,14 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pika
 import pytest
+from pamqp import commands
 
 from tests import support
-from tests.support import LocalCluster
+from tests.support import BUG_PHRASE, LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,7 +147,9 @@ def test_cluster_status_prints_the_members(cluster: LocalCluster) -> None:
         "in_isr",
         "pid",
     ]
-    assert sorted(line.split("\t")[0] for line in lines[2:]) == ["tandem-1", "tandem-2", "tandem-3"]
+    rows = [line for line in lines[2:] if "\t" in line]
+    assert sorted(row.split("\t")[0] for row in rows) == ["tandem-1", "tandem-2", "tandem-3"]
+    assert lines[-1].startswith("last decision: ")  # why the record is as it is
 
 
 def test_a_second_cluster_on_the_same_data_dir_is_refused(cluster: LocalCluster) -> None:
@@ -241,3 +246,57 @@ def test_a_front_port_in_use_is_one_line_naming_the_option(tmp_path: Path) -> No
         f"tandem: cannot start the cluster: cannot listen for clients (the front port) on port "
         f"{port}: Address already in use; choose another with --amqp-port, or 0 for a free one"
     )
+
+
+def test_a_member_that_cannot_apply_a_record_leaves_the_isr_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 14: a backup that cannot apply one of the primary's records (a test fault makes
+    declarations of 'poison' fail on every member, as a bug in apply would; the primary
+    decides, so only backups apply them) says so once, reports itself diverged in /status,
+    /metrics and `cluster status`, and the controller takes it out of the ISR naming the
+    record. A copy that keeps failing is asked for less often, not in a loop; once the
+    primary's state no longer holds the record, the next copy works and it rejoins."""
+    monkeypatch.setenv("TANDEM_TEST_FAULT_NOT_APPLIED", "poison")
+    c = LocalCluster(tmp_path / "cluster", 3).start()
+    try:
+        # A raw client, as the declaration's answer waits for the backups' acks: none comes.
+        raw = support.RawClient(c.amqp_port, timeout=30)
+        raw.handshake()
+        raw.open_channel(1)
+        raw.send_method(1, commands.Queue.Declare(queue="poison"))  # transient: a copy
+        # restates it as a record too, so every copy fails as well
+        blocked = raw.expect(commands.Connection.Blocked)
+        assert "below its minimum of 2" in blocked.reason and "diverged (record" in blocked.reason
+
+        def diverged(s: dict[str, Any]) -> bool:
+            backups = [m for m in s["members"] if m["node"] != s["primary"]]
+            return all(m["diverged"] and not m["in_isr"] for m in backups)
+
+        state = c.wait_for(diverged, "both backups diverged and out of the ISR")
+        assert "diverged (record" in state["last_change"], state
+        assert "queue.declare 'poison'" in state["last_change"]
+        url = f"http://127.0.0.1:{c.admin_port}"
+        run = tandem("cluster", "status", "--url", url)
+        assert run.returncode == 0 and "diverged: record" in run.stdout, run.stdout
+        backup = next(m for m in state["members"] if m["node"] != state["primary"])
+        with urllib.request.urlopen(f"http://127.0.0.1:{backup['admin_port']}/metrics") as r:
+            metrics = r.read().decode()
+        assert "tandem_diverged 1.0" in metrics
+        assert re.search(r"^tandem_records_not_applied_total [1-9]", metrics, re.M), metrics
+
+        raw.open_channel(2)
+        raw.send_method(2, commands.Queue.Delete(queue="poison"))  # the next copy works
+        c.wait_for(
+            lambda s: len(s["isr"]) == 3 and not any(m["diverged"] for m in s["members"]),
+            "the backups whole and back in the ISR",
+            timeout=60,
+        )
+        raw.expect(commands.Queue.DeleteOk)
+        raw.close()
+    finally:
+        c.stop()
+    for log in sorted((tmp_path / "cluster").glob("*/broker.log")):
+        said = log.read_text().count("not applied, set aside")
+        assert said <= 1, f"{log.parent.name} said it {said} times"
+    assert BUG_PHRASE not in c.logs()

@@ -128,3 +128,20 @@ def test_a_deleted_vhost_stays_deleted_after_a_crash(broker: Broker) -> None:
     code, vhosts = broker.http("GET", "/api/vhosts")
     assert code == 200 and "staging" not in [v["name"] for v in vhosts]
     assert all(q["vhost"] != "staging" for q in broker.status()["queues"])
+
+
+def test_a_vhost_deleted_and_made_again_is_there_after_a_crash(broker: Broker) -> None:
+    """Found by the differential test: users, vhosts and permissions were kept only in
+    auth.json, outside the log, so a restart replayed the older deletion over the newer
+    creation and the vhost (with its permissions) was gone."""
+    perm = {"configure": ".*", "write": ".*", "read": ".*"}
+    for step in ("PUT", "DELETE", "PUT"):
+        assert broker.http(step, "/api/vhosts/again")[0] in (200, 201, 204)
+    assert broker.http("PUT", "/api/users/again-user", {"password": "p", "tags": ""})[0] == 201
+    assert broker.http("PUT", "/api/permissions/again/again-user", perm)[0] == 201
+    broker.kill()
+    broker.start()
+    assert "again" in [v["name"] for v in broker.http("GET", "/api/vhosts")[1]]
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url("again-user", "p", vhost="again")))
+    assert conn.channel().queue_declare("", exclusive=True).method.queue
+    conn.close()

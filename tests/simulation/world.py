@@ -222,7 +222,7 @@ class World:
     async def follow(self, node: str, primary: str, epoch: int) -> None:
         self.send(node, core.Follow(primary, epoch))
 
-    async def set_isr(self, primary: str, record: ElectionRecord) -> None:
+    async def set_isr(self, primary: str, record: ElectionRecord, why: str = "") -> None:
         self.send(primary, core.Inform(record))
 
     async def renew(self, primary: str, record: ElectionRecord) -> None:

@@ -48,6 +48,9 @@ def parse_member(text: str, holder: str | None) -> Member:
             fields["waited"] = True
         elif word == "partial":
             fields["whole"] = False
+        elif word == "diverged":
+            fields["whole"] = False
+            fields["diverged"] = "record 3:7 not applied: define queue.declare 'q'"
         elif word.startswith("applied="):
             fields["applied_version"] = int(word.split("=")[1])
         elif word.startswith("lag="):
@@ -125,6 +128,14 @@ def test_reasons_name_the_members_and_epochs() -> None:
     _, view, _ = ROWS[1]  # the primary's process exited
     d = decide.decide(view, SETTINGS)
     assert re.search(r"primary a is down; fencing b, c at epoch 4", d.reason)
+
+
+def test_a_diverged_member_is_dropped_with_the_record_it_could_not_apply() -> None:
+    view = next(v for case, v, _ in ROWS if case.startswith("43:"))
+    d = decide.decide(view, SETTINGS)
+    assert "b diverged (record 3:7 not applied: define queue.declare 'q')" in d.reason
+    refused = next(v for case, v, _ in ROWS if case.startswith("44:"))
+    assert "b is diverged (record 3:7" in decide.decide(refused, SETTINGS).reason
 
 
 # -- properties over arbitrary views --

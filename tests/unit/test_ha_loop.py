@@ -74,7 +74,7 @@ class Cluster:
         self.calls.append(("follow", node, primary))
         self._set(node, role=Role.BACKUP, epoch=epoch, following=primary)
 
-    async def set_isr(self, primary: str, record: ElectionRecord) -> None:
+    async def set_isr(self, primary: str, record: ElectionRecord, why: str = "") -> None:
         self.calls.append(("set_isr", primary, ",".join(sorted(record.isr))))
         self._set(primary, applied_version=record.version)
 

@@ -108,3 +108,28 @@ def test_the_pause_annotation_pauses_the_controller_and_shows_in_the_phase() -> 
     assert cl.controller.paused
     (status,) = [body["status"] for who, body in api.calls if who == "BrokerCluster/demo"]
     assert status["phase"] == "Paused"
+
+
+def test_a_diverged_member_is_one_warning_event_and_a_condition_until_it_is_whole() -> None:
+    record = ElectionRecord("demo-0", 1, frozenset({"demo-0", "demo-1"}))
+    cl, api, pods = loop(record)
+    why = "record 1:7 not applied: define queue.declare 'q' in vhost '/'"
+    healthy = serving(pods, "demo-0", 1)
+    diverged = (
+        healthy[0],
+        Member("demo-1", Liveness.UP, Role.BACKUP, 1, whole=False, diverged=why),
+    )
+
+    def consistent() -> dict[str, Any]:
+        status = [body["status"] for who, body in api.calls if who == "BrokerCluster/demo"][-1]
+        return next(c for c in status["conditions"] if c["type"] == "Consistent")
+
+    asyncio.run(cl.after_look(record, diverged))
+    asyncio.run(cl.after_look(record, diverged))  # said once, not at every look
+    events = [body for who, body in api.calls if who == "Event"]
+    assert events == [("Diverged", events[0][1])] and why in events[0][1]
+    assert consistent()["status"] == "False" and why in consistent()["message"]
+    assert consistent()["reason"] == "RecordNotApplied"
+    asyncio.run(cl.after_look(record, healthy))
+    assert [body[0] for who, body in api.calls if who == "Event"] == ["Diverged", "Rejoined"]
+    assert consistent()["status"] == "True"

@@ -65,6 +65,9 @@ class Node(Protocol):
     def alarms(self) -> dict[str, str]: ...
 
     @property
+    def not_applied(self) -> list[str]: ...
+
+    @property
     def connections(self) -> Collection[HasConnection]: ...
 
     def status(self, brief: bool = False) -> dict[str, Any]: ...
@@ -137,9 +140,20 @@ class NodeCollector:
         )
         yield GaugeMetricFamily("tandem_alarms", "Alarms in force", value=len(node.alarms))
         member = node.member
+        yield CounterMetricFamily(
+            "tandem_records_not_applied",
+            "Records this node could not apply and set aside (a bug: see /status not_applied)",
+            value=len(node.not_applied) + (member.log.not_applied_total if member else 0),
+        )
         if member is None:
             return
         st = member.status()
+        yield GaugeMetricFamily(
+            "tandem_diverged",
+            "1 while a record from the primary did not apply here, until a copy replaces "
+            "this member's state",
+            value=1 if st["diverged"] else 0,
+        )
         role = GaugeMetricFamily("tandem_role", "1 for this node's role", labels=["role"])
         role.add_metric([node.role], 1)
         yield role
@@ -269,7 +283,9 @@ def make_app(node: Node) -> web.Application:
             elif what == "promote":
                 answer = member.promote(ElectionRecord.from_dict(body["record"]))
             elif what == "record":
-                answer = member.inform(ElectionRecord.from_dict(body["record"]))
+                answer = member.inform(
+                    ElectionRecord.from_dict(body["record"]), str(body.get("why", ""))
+                )
             elif what == "follow":
                 host, _, port = str(body["address"]).rpartition(":")
                 amqp = body.get("amqp")
@@ -300,6 +316,12 @@ def make_app(node: Node) -> web.Application:
             {"node": node.cfg.node_id, "checkpoints": list(member.checkpoints)}
         )
 
+    async def saved() -> None:
+        """Users, vhosts or permissions changed: recorded in the log (ordered with the
+        deletions before and after it) and answered once that survives a crash."""
+        node.save_auth()
+        await _recorded(node.broker)
+
     async def list_users(request: web.Request) -> web.Response:
         users = node.broker.users.users.values()
         return web.json_response([{"name": u.name, "tags": u.tags} for u in users])
@@ -318,7 +340,7 @@ def make_app(node: Node) -> web.Application:
         if existing is not None and "tags" not in body:
             body["tags"] = existing.tags
         node.broker.add_user(_valid(spec.RabbitUser, {**body, "name": name}), node.cfg.guest_remote)
-        node.save_auth()
+        await saved()
         log.info("user '%s' %s through the admin API", name, "changed" if existing else "added")
         return web.json_response({"name": name}, status=200 if existing else 201)
 
@@ -326,7 +348,7 @@ def make_app(node: Node) -> web.Application:
         name = request.match_info["name"]
         if not node.broker.users.delete(name):
             return _json_error(404, f"no user '{name}'")
-        node.save_auth()
+        await saved()
         return web.json_response({"deleted": name})
 
     async def list_vhosts(request: web.Request) -> web.Response:
@@ -337,15 +359,14 @@ def make_app(node: Node) -> web.Application:
             spec.RabbitVhost, {**await _body(request, empty=True), **request.match_info}
         ).name
         node.broker.add_vhost(name)
-        node.save_auth()
+        await saved()
         return web.json_response({"name": name}, status=201)
 
     async def delete_vhost(request: web.Request) -> web.Response:
         name = request.match_info["name"]
         if not node.delete_vhost(name):
             return _json_error(404, f"no vhost '{name}'")
-        node.save_auth()
-        await _recorded(node.broker)  # answered once the deletion survives a crash
+        await saved()
         return web.json_response({"deleted": name})
 
     async def list_permissions(request: web.Request) -> web.Response:
@@ -367,14 +388,14 @@ def make_app(node: Node) -> web.Application:
         node.broker.set_permission(
             _valid(spec.RabbitPermission, {**body, "user": user, "vhost": vhost})
         )
-        node.save_auth()
+        await saved()
         return web.json_response({"user": user, "vhost": vhost}, status=201)
 
     async def delete_permission(request: web.Request) -> web.Response:
         vhost, user = request.match_info["vhost"], request.match_info["user"]
         if not node.broker.users.clear_permission(user, vhost):
             return _json_error(404, f"no permissions for '{user}' on '{vhost}'")
-        node.save_auth()
+        await saved()
         return web.json_response({"deleted": True})
 
     async def export_definitions(request: web.Request) -> web.Response:

@@ -115,6 +115,7 @@ class HttpObserver:
                     lag_records=int(r.get("lag_records", 0)),
                     lag_seconds=float(r.get("lag_seconds", 0.0)),
                     whole=bool(s.get("whole", True)),
+                    diverged=s.get("diverged"),
                 )
             )
         return tuple(members)
@@ -174,8 +175,11 @@ class HttpActuator:
         }
         await self._post(node, "follow", body)
 
-    async def set_isr(self, primary: str, record: ElectionRecord) -> None:
-        if await self._post(primary, "record", {"record": record.to_dict()}):
+    async def set_isr(self, primary: str, record: ElectionRecord, why: str = "") -> None:
+        body: dict[str, Any] = {"record": record.to_dict()}
+        if why:
+            body["why"] = why
+        if await self._post(primary, "record", body):
             self.renewed = (record.version, time.monotonic())
 
     async def renew(self, primary: str, record: ElectionRecord) -> None:

@@ -193,11 +193,14 @@ class Node:
 
     def save_auth(self) -> None:
         """Persist users, vhosts and permissions changed at runtime, in RabbitMQ's
-        definitions format (password hashes only). A primary also replicates them: its
-        backups take them as one record and save them too."""
+        definitions format (password hashes only). A lone node or a primary records them in
+        its log, as one record (a backup takes it and saves it too), so that a restart
+        replays them in their place among the other changes: a vhost deleted and made again
+        is there after the restart, not deleted by the older record. auth.json is what a
+        start begins from when compaction has dropped the records."""
         auth = definitions.export_auth(self.broker)
-        if self.role == "primary":
-            self.sequencer.define("", "auth", auth, False)
+        if self.role != "backup":
+            self.sequencer.define("", "auth", auth, True)
         if self._auth_file is None:
             return
         _write_atomically(self._auth_file, json.dumps(auth, indent=1))
@@ -368,6 +371,9 @@ class Node:
         if os.environ.get("TANDEM_TEST_FAULT_BYTES_AS_TEXT"):
             log.warning("TEST FAULT: records write byte strings as text")
             records.BYTES_AS_TEXT = True
+        if os.environ.get("TANDEM_TEST_FAULT_NOT_APPLIED"):
+            apply.UNAPPLIABLE = os.environ["TANDEM_TEST_FAULT_NOT_APPLIED"]
+            log.warning("TEST FAULT: records declaring %s do not apply", apply.UNAPPLIABLE)
         if self.store is not None:
             result = self.store.open(
                 self.broker, self.sequencer, loop, stop_at_corrupt=self.cluster_key is not None

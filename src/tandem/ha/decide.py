@@ -92,7 +92,8 @@ def _failover(view: View, target: str | None, why: str = "") -> Decision:
         if t is None or not t.answering:
             return Decision(Action.REFUSE, f"{why}, but {target} does not answer")
         if _lost_store(t, record.epoch):
-            return Decision(Action.REFUSE, f"{why}, but {target} has lost its store")
+            lost = f"is diverged ({t.diverged})" if t.diverged else "has lost its store"
+            return Decision(Action.REFUSE, f"{why}, but {target} {lost}")
     # Every ISR member holds every confirmed record (rule 3), so any of them is safe; the
     # answering ones are fenced first so that their positions are final when compared. One
     # whose epoch is below the record's has lost its store, one that is `partial` what it held
@@ -162,12 +163,15 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
         if m is not None and _lost_store(m, record.epoch):
             # Dropped even below the ISR minimum: the primary then confirms nothing until
             # the member has caught up again and grown back.
-            lost = (
-                f"came back at epoch {m.epoch} below the record's {record.epoch}: it has lost "
-                "its store"
-                if m.epoch < record.epoch
-                else "restarted and lost what it held only in memory"
-            )
+            if m.epoch < record.epoch:
+                lost = (
+                    f"came back at epoch {m.epoch} below the record's {record.epoch}: it has "
+                    "lost its store"
+                )
+            elif m.diverged:
+                lost = f"diverged ({m.diverged}); it takes a copy from the primary"
+            else:
+                lost = "restarted and lost what it held only in memory"
             return Decision(
                 Action.SHRINK_ISR,
                 f"{node} {lost}; dropping it from the ISR before it rejoins",

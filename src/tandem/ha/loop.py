@@ -42,6 +42,9 @@ class Controller:
     # kept, but no member is fenced, promoted or repointed.
     paused: bool = False
     last: Decision | None = None
+    # The last decision that changed the record or a member (not HOLD or WAIT): why the
+    # ISR and the primary are what they are, for `cluster status`.
+    last_change: Decision | None = None
 
     async def turn(self) -> Decision:
         """Observe once, decide once, act once."""
@@ -63,6 +66,8 @@ class Controller:
         if held and decision != self.last:
             log.warning("cluster=%s is paused: not acting on it", self.cluster)
         self.last = decision
+        if decision.action not in (Action.HOLD, Action.WAIT):
+            self.last_change = decision
         if not held:
             await self._act(record, decision, view)
         return decision
@@ -96,7 +101,7 @@ class Controller:
             assert record.holder is not None
             stored = await self._write(record, replace(record, isr=d.isr, tracking=d.tracking), d)
             if stored is not None:
-                await a.set_isr(record.holder, stored)
+                await a.set_isr(record.holder, stored, d.reason)
         elif d.action is Action.REFUSE:
             self.switchover_to = None
 

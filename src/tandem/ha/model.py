@@ -56,6 +56,9 @@ class Member:
     # False while the member's log names records it lost in a restart (messages that were
     # only in memory): it holds less than its position says until it takes a full copy.
     whole: bool = True
+    # Set while the member could not apply one of the primary's records (a bug, said once in
+    # its log): why its state is not the primary's. It is not whole either, until a copy.
+    diverged: str | None = None
 
     @property
     def answering(self) -> bool:

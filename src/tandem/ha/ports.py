@@ -39,9 +39,10 @@ class Actuator(Protocol):
 
     async def follow(self, node: str, primary: str, epoch: int) -> None: ...
 
-    async def set_isr(self, primary: str, record: ElectionRecord) -> None:
+    async def set_isr(self, primary: str, record: ElectionRecord, why: str = "") -> None:
         """Tell the primary the record's ISR and tracked set; it applies only a version
-        newer than the last it applied, so a late message cannot undo a newer one."""
+        newer than the last it applied, so a late message cannot undo a newer one. `why`:
+        the decision's reason, which the primary gives its publishers if they must wait."""
         ...
 
     async def renew(self, primary: str, record: ElectionRecord) -> None:

@@ -204,6 +204,7 @@ class LocalCluster:
             "epoch": s.get("epoch"),
             "position": s.get("position"),
             "whole": s.get("whole"),
+            "diverged": s.get("diverged") if p.alive else None,
             "following": s.get("following"),
             "restarts": p.restarts,
         }
@@ -232,6 +233,11 @@ class LocalCluster:
             "last_decision": (
                 self.controller.last.reason
                 if self.controller is not None and self.controller.last
+                else None
+            ),
+            "last_change": (
+                self.controller.last_change.reason
+                if self.controller is not None and self.controller.last_change
                 else None
             ),
             "members": members,

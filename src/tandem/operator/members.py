@@ -178,6 +178,7 @@ class ClusterLoop:
         self.down_since: float | None = None  # when the primary was last seen not serving
         self.cause: str | None = None  # the reason of the first decision after that
         self.serving: str | None = None
+        self.diverged: dict[str, str] = {}  # member -> why, as last reported in an Event
         settings = Settings(failover_delay=spec.failover.delay_seconds, isr_min=spec.isr_min)
         observer = HttpObserver(pods.by_node, session, key)
         self.actuator = actuator = HttpActuator(pods.by_node, session, key)
@@ -223,7 +224,25 @@ class ClusterLoop:
             and self.controller.last.action in (Action.FENCE, Action.PROMOTE)
         ):
             self.cause = self.controller.last.reason  # what set the failover going
+        await self._report_divergence(members)
         await self._publish(record, members, serving)
+
+    async def _report_divergence(self, members: tuple[Member, ...]) -> None:
+        """One Warning Event when a member says it could not apply a record (a bug: its state
+        is not the primary's until it has taken a copy), and one when it is whole again."""
+        now = {m.node: m.diverged for m in members if m.diverged}
+        for node, why in sorted(now.items()):
+            if self.diverged.get(node) != why:
+                await self.api.event(
+                    self.owner,
+                    "Diverged",
+                    f"{node} could not apply a record from the primary ({why}); it is out of "
+                    "the in-sync set until it has taken a copy. Please report it as a bug.",
+                    "Warning",
+                )
+        for node in sorted(set(self.diverged) - set(now)):
+            await self.api.event(self.owner, "Rejoined", f"{node} took a copy and is whole again")
+        self.diverged = now
 
     async def _label(self, primary: str | None) -> None:
         # Off every other pod first, then onto the primary: never two pods at once.
@@ -306,6 +325,13 @@ class ClusterLoop:
                 in_sync,
                 "AllInSync" if in_sync else "MembersOutOfSync",
                 f"in sync: {', '.join(sorted(record.isr)) or 'none'}",
+            ),
+            self._condition(
+                "Consistent",
+                not self.diverged,
+                "RecordNotApplied" if self.diverged else "AllRecordsApplied",
+                "; ".join(f"{n} diverged: {why}" for n, why in sorted(self.diverged.items()))
+                or "every answering member applied every record it took",
             ),
         ]
         status = {

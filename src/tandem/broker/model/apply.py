@@ -37,6 +37,11 @@ from tandem.broker.model.vhost import VirtualHost
 log = logging.getLogger(__name__)
 
 
+# A test-only fault (the divergence test): a declaration record of this name does not apply,
+# as if apply had a bug. Set by TANDEM_TEST_FAULT_NOT_APPLIED=name; never in use.
+UNAPPLIABLE: str | None = None
+
+
 class NotApplied(ValueError):
     """A record apply could not make so; says which (type, and vhost and queue or name)."""
 
@@ -84,6 +89,8 @@ def _apply(broker: Broker, rtype: int, payload: bytes) -> None:
             q.mark(mid)
     elif rtype == records.DEFINE:
         rec = records.decode_body(payload)
+        if UNAPPLIABLE is not None and (rec.get("body") or {}).get("name") == UNAPPLIABLE:
+            raise RuntimeError("test fault: TANDEM_TEST_FAULT_NOT_APPLIED")
         if rec["op"] == "auth":  # users, vhosts and permissions, all at once
             definitions.replace_auth(broker, rec["body"], broker.guest_remote)
         elif rec["op"] == "vhost.delete":

@@ -364,7 +364,7 @@ class Connection:
     def block(self, reason: str) -> None:
         if not self.blocked_sent and self.capabilities.get("connection.blocked"):
             self.blocked_sent = True
-            self.send_method(0, commands.Connection.Blocked(reason))
+            self.send_method(0, commands.Connection.Blocked(shortstr(reason)))
         if not self.paused_for_alarm:
             self.paused_for_alarm = True
             self.transport.pause_reading()
@@ -385,7 +385,7 @@ class Connection:
             and not self.blocked_sent
         ):
             self.blocked_sent = True
-            self.send_method(0, commands.Connection.Blocked(reason))
+            self.send_method(0, commands.Connection.Blocked(shortstr(reason)))
 
     def set_writable(self, writable: bool) -> None:
         self.writable = writable
@@ -699,3 +699,9 @@ _HANDLERS: dict[int, Handler] = {
     commands.Tx.Commit.index: tx.commit,
     commands.Tx.Rollback.index: tx.rollback,
 }
+
+
+def shortstr(text: str) -> str:
+    """`text` cut to what an AMQP short string holds (255 bytes of UTF-8), whole characters."""
+    raw = text.encode()
+    return text if len(raw) <= 255 else raw[:252].decode(errors="ignore") + "..."

@@ -61,6 +61,11 @@ class BrokerLog:
         self.drop_enqueues_to: str | None = None  # a test-only fault (see `drop_enqueues`)
         self.group: list[bytes] = []  # the frames of a group not yet complete
         self.not_applied: list[tuple[int, int, str]] = []  # (epoch, offset, what), the last few
+        self.not_applied_total = 0
+        # Why this member's state is not the primary's (a record it could not apply), until a
+        # copy from the primary replaces it: /status, /metrics, and the controller's reason.
+        self.diverged: str | None = None
+        self.said: set[str] = set()  # the failures already logged
 
     # -- what the protocol reads --
 
@@ -242,7 +247,11 @@ class BrokerLog:
         try:
             apply.apply(self.broker, rtype, payload)
         except apply.NotApplied as exc:
-            log.error(
+            said = str(exc) in self.said
+            self.said.add(str(exc))
+            # Said once: a copy that fails on the same record again is logged at debug level.
+            log.log(
+                logging.DEBUG if said else logging.ERROR,
                 "record (%d, %d) from the primary not applied, set aside: %s; this member "
                 "takes a copy from the primary",
                 epoch,
@@ -251,6 +260,8 @@ class BrokerLog:
             )
             self.not_applied.append((epoch, offset, str(exc)))
             del self.not_applied[:-NOT_APPLIED_KEPT]
+            self.not_applied_total += 1
+            self.diverged = f"record {epoch}:{offset} not applied: {exc}"
             self.lost = True
 
     def install(self, boundaries: core.Boundaries, end: int, snapshot: Any) -> None:
@@ -258,6 +269,7 @@ class BrokerLog:
         holds (its log is a prefix of the primary's), or everything."""
         frames: list[bytes] = list(snapshot)
         self.lost = False  # unless a record of the copy does not apply
+        self.diverged = None
         if frames and records.payload(frames[0]) == DIFF:
             self._install_difference(boundaries, end, frames[1:])
         else:

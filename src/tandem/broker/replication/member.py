@@ -153,6 +153,7 @@ class Member:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: asyncio.Server | None = None
         self.failovers = 0
+        self.isr_why = ""  # the controller's reason for the last change of the ISR
         self.caught_up_bytes = 0
         self.rtt = 0.0  # seconds from shipping a record to the ack that covers it (smoothed)
         self.checkpoints: collections.deque[dict[str, Any]] = collections.deque(
@@ -232,7 +233,11 @@ class Member:
     def promote(self, record: ElectionRecord) -> dict[str, Any]:
         return self._control(core.Promote(record))
 
-    def inform(self, record: ElectionRecord) -> dict[str, Any]:
+    def inform(self, record: ElectionRecord, why: str = "") -> dict[str, Any]:
+        """The record's ISR and tracked set; `why` is the controller's reason for the
+        change, which the publishers hear if the ISR is now below its minimum."""
+        if why and record.version > self.replica.applied_version:
+            self.isr_why = why
         return self._control(core.Inform(record))
 
     def follow(
@@ -294,8 +299,9 @@ class Member:
             self.hooks.isr_blocked(
                 None
                 if r.accepting
-                else f"the in-sync set {sorted(r.isr)} is below its minimum of {r.isr_min}; "
-                "publishes wait until a member catches up"
+                else f"the in-sync set {sorted(r.isr)} is below its minimum of {r.isr_min}"
+                f"{f' ({self.isr_why})' if self.isr_why else ''}; publishes wait until a "
+                "member catches up"
             )
             self.sequencer.progress()
 
@@ -545,6 +551,7 @@ class Member:
             "position": self.log.end,
             "last_epoch": self.log.last_epoch,
             "whole": self.log.whole,
+            "diverged": self.log.diverged,
             "following": r.following,
             "synced": r.synced,
             "cluster": self.state.cluster,
