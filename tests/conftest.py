@@ -7,7 +7,23 @@ from pathlib import Path
 
 import pytest
 
+from tests import support
 from tests.support import BUG_PHRASE, Broker, LocalCluster
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Nothing any broker or cluster of this run logged says "report it as a bug" (issue 14):
+    the run fails and names the lines, whichever test started the process, including those
+    whose own checks did not read the log."""
+    found = support.bug_reports()
+    if not found:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.section("logs that say: report it as a bug", red=True)
+        for line in found[:50]:
+            reporter.line(line)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

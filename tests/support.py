@@ -18,6 +18,19 @@ from pamqp import commands, frame, header
 
 BUG_PHRASE = "unexpected error, please report it as a bug"
 
+# Every broker and cluster the tests started, in order: at the end of the run conftest reads
+# all their logs for BUG_PHRASE (none may say it, whichever test started it).
+STARTED: list[Broker | LocalCluster] = []
+
+
+def bug_reports() -> list[str]:
+    """The lines saying BUG_PHRASE in the logs of everything the tests started."""
+    found = []
+    for started in STARTED:
+        text = started.logs() if isinstance(started, LocalCluster) else started.log()
+        found += [line for line in text.splitlines() if BUG_PHRASE in line]
+    return found
+
 
 def wait_for_amqp(
     port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None
@@ -38,6 +51,26 @@ def wait_for_amqp(
         if time.monotonic() > deadline:
             raise TimeoutError(f"no AMQP on port {port}")
         time.sleep(0.02)  # polling interval while the process boots, not synchronisation
+
+
+def http(
+    port: int, method: str, path: str, body: Any = None, token: str | None = None
+) -> tuple[int, Any]:
+    """One request to an admin API on 127.0.0.1:`port`: (status, JSON or text answer)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        method=method,
+        data=json.dumps(body).encode() if body is not None else None,
+    )
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            raw = resp.read()
+            ctype = resp.headers.get("Content-Type", "")
+            return resp.status, json.loads(raw) if "json" in ctype else raw.decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
 
 
 class Broker:
@@ -88,6 +121,8 @@ class Broker:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.starts += 1
+        if self not in STARTED:
+            STARTED.append(self)
         deadline = time.monotonic() + 30
         while not ports.exists():
             if self.proc.poll() is not None:
@@ -130,20 +165,7 @@ class Broker:
     def http(
         self, method: str, path: str, body: Any = None, token: str | None = None
     ) -> tuple[int, Any]:
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.admin_port}{path}",
-            method=method,
-            data=json.dumps(body).encode() if body is not None else None,
-        )
-        if token:
-            req.add_header("Authorization", f"Bearer {token}")
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                raw = resp.read()
-                ctype = resp.headers.get("Content-Type", "")
-                return resp.status, json.loads(raw) if "json" in ctype else raw.decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
+        return http(self.admin_port, method, path, body, token)
 
     def status(self) -> dict[str, Any]:
         code, body = self.http("GET", "/status")
@@ -308,6 +330,8 @@ class LocalCluster:
         ]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        if self not in STARTED:
+            STARTED.append(self)
         deadline = time.monotonic() + 60
         while not info_path.exists():
             if self.proc.poll() is not None:
@@ -328,8 +352,12 @@ class LocalCluster:
         self.proc = None
         return code
 
-    def url(self) -> str:
-        return f"amqp://guest:guest@127.0.0.1:{self.amqp_port}/%2F"
+    def url(self, vhost: str = "%2F") -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.amqp_port}/{vhost}"
+
+    def http(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """The cluster's admin port: /cluster itself, everything else the primary's."""
+        return http(self.admin_port, method, path, body)
 
     def cluster(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/cluster", timeout=10) as r:

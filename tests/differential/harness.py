@@ -4,6 +4,8 @@ and after a kill -9 and restart (see surface.py)."""
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from tests.differential import surface
-from tests.support import BUG_PHRASE, Broker
+from tests.support import BUG_PHRASE, Broker, LocalCluster, http
 
 
 class Differential(AssertionError):
@@ -38,12 +40,16 @@ def state(broker: Broker) -> Any:
     return body
 
 
+def _prepare(http: Any, vhost: str) -> None:
+    assert http("PUT", f"/api/vhosts/{vhost}", None)[0] in (200, 201, 204)
+    perm = {"configure": ".*", "write": ".*", "read": ".*"}
+    assert http("PUT", f"/api/permissions/{vhost}/guest", perm)[0] in (200, 201, 204)
+
+
 def check(broker: Broker, vhost: str, ops: list[tuple[Any, ...]]) -> list[str]:
     """Run `ops` in a fresh vhost, then kill -9 and restart; returns the refusals met."""
-    assert broker.http("PUT", f"/api/vhosts/{vhost}")[0] in (200, 201, 204)
-    perm = {"configure": ".*", "write": ".*", "read": ".*"}
-    assert broker.http("PUT", f"/api/permissions/{vhost}/guest", perm)[0] in (200, 201, 204)
-    client = surface.Client(broker.url(vhost=vhost))
+    _prepare(broker.http, vhost)
+    client = surface.Client(broker.url(vhost=vhost), vhost, broker.http)
     for op in ops:
         client.run(op)
     client.close()  # unacked messages go back, flagged redelivered
@@ -55,6 +61,67 @@ def check(broker: Broker, vhost: str, ops: list[tuple[Any, ...]]) -> list[str]:
     diff = surface.difference(before, after)
     if diff:
         raise Differential(f"{len(diff)} difference(s) after kill -9: {diff[:8]}")
+    return client.refused
+
+
+def _positions(ports: dict[str, int]) -> dict[str, Any]:
+    return {n: http(port, "GET", "/status")[1].get("position") for n, port in ports.items()}
+
+
+def member_states(cluster: LocalCluster, timeout: float = 30.0) -> tuple[str, dict[str, Any]]:
+    """Every member's state at one position: waits until each is in the ISR at the primary's
+    position, dumps them all, and takes the dumps only if no position moved meanwhile. Returns
+    the primary's name and the dumps by member."""
+    deadline = time.monotonic() + timeout
+    while True:
+        c = cluster.cluster()
+        ports = {m["node"]: m["admin_port"] for m in c["members"]}
+        positions = {
+            n: http(port, "GET", "/status")[1].get("position") for n, port in ports.items()
+        }
+        level = len(set(positions.values())) == 1 and len(c["isr"]) == len(ports)
+        if level:
+            dumps = {n: http(port, "GET", "/api/state")[1] for n, port in ports.items()}
+            again = {
+                n: http(port, "GET", "/status")[1].get("position") for n, port in ports.items()
+            }
+            if again == positions and cluster.cluster()["primary"] == c["primary"]:
+                return c["primary"], dumps
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the members did not reach one position: {positions} {c}")
+        time.sleep(0.02)  # polling the observed state
+
+
+def check_cluster(
+    cluster: LocalCluster, vhost: str, ops: list[tuple[Any, ...]], kill: bool
+) -> list[str]:
+    """Run `ops` through the front port; then every backup must equal the primary at the same
+    position, and (with `kill`) after a kill -9 of the primary the new one must equal it."""
+    _prepare(cluster.http, vhost)
+    client = surface.Client(cluster.url(vhost), vhost, cluster.http)
+    for op in ops:
+        client.run(op)
+    client.close()
+    primary, dumps = member_states(cluster)
+    for node, dump in dumps.items():
+        diff = surface.difference(dumps[primary], dump)
+        if diff:
+            raise Differential(f"backup {node} differs from primary {primary}: {diff[:8]}")
+    if kill:
+        pid = cluster.member(primary)["pid"]
+        os.kill(pid, signal.SIGKILL)
+        c = cluster.wait_for(lambda c: c["serving"] and c["primary"] != primary, "a new primary")
+        code, after = cluster.http("GET", "/api/state")
+        assert code == 200, after
+        diff = surface.difference(dumps[primary], after)
+        if diff:
+            raise Differential(f"new primary {c['primary']} differs from the old: {diff[:8]}")
+
+        def back(c: dict[str, Any]) -> bool:
+            m = next(m for m in c["members"] if m["node"] == primary)
+            return m["pid"] not in (None, pid) and m["in_isr"] and len(c["isr"]) == len(dumps)
+
+        cluster.wait_for(back, "the killed member back in the ISR", timeout=60)
     return client.refused
 
 
@@ -70,12 +137,25 @@ EXAMPLES: list[list[tuple[Any, ...]]] = [
 ]
 
 
-def run(root: Path, count: int, seed: int | None = None, shrink: bool = True) -> dict[str, int]:
-    """`count` sequences against one broker; raises the shortest failing sequence's error
-    (the first one found, without `shrink`). Returns figures: sequences, operations,
-    refusals."""
-    broker = Broker(root / "node").start()
-    figures = {"sequences": 0, "operations": 0, "refused": 0}
+def run(
+    root: Path,
+    count: int,
+    seed: int | None = None,
+    shrink: bool = True,
+    cluster: bool = False,
+    kill_every: int = 10,
+) -> dict[str, int]:
+    """`count` sequences against one lone broker (or, with `cluster`, one 3-member local
+    cluster whose primary is killed after every `kill_every`-th sequence); raises the
+    shortest failing sequence's error (the first one found, without `shrink`). Returns
+    figures: sequences, operations, refusals, failovers."""
+    target: Broker | LocalCluster
+    if cluster:
+        (root / "cluster").mkdir(parents=True, exist_ok=True)
+        target = LocalCluster(root / "cluster" / "data").start()
+    else:
+        target = Broker(root / "node").start()
+    figures = {"sequences": 0, "operations": 0, "refused": 0, "failovers": 0}
     numbers = itertools.count()
 
     @settings(
@@ -87,7 +167,13 @@ def run(root: Path, count: int, seed: int | None = None, shrink: bool = True) ->
     )
     @given(surface.sequences)
     def one(ops: list[tuple[Any, ...]]) -> None:
-        refused = check(broker, f"d{next(numbers)}", ops)
+        n = next(numbers)
+        if isinstance(target, LocalCluster):
+            kill = n % kill_every == kill_every - 1
+            refused = check_cluster(target, f"d{n}", ops, kill)
+            figures["failovers"] += kill
+        else:
+            refused = check(target, f"d{n}", ops)
         figures["sequences"] += 1
         figures["operations"] += len(ops)
         figures["refused"] += len(refused)
@@ -98,7 +184,7 @@ def run(root: Path, count: int, seed: int | None = None, shrink: bool = True) ->
     try:
         test()
     finally:
-        if broker.proc is not None:
-            broker.stop()
-    assert BUG_PHRASE not in broker.log(), broker.log()[-3000:]
+        target.stop()
+    logs = target.logs() if isinstance(target, LocalCluster) else target.log()
+    assert BUG_PHRASE not in logs, logs[-3000:]
     return figures

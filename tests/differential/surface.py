@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,8 @@ from hypothesis import strategies as st
 QUEUES = ["q0", "q1", "q2"]
 EXCHANGES = ["x0", "x1"]
 KEYS = ["", "a", "a.b", "b.#"]
+USERS = ["u0", "u1"]
+VHOSTS = ["v0", "v1"]  # besides the sequence's own, which it uses for everything else
 TTL_MS = 600_000  # long enough that nothing expires between a dump and the kill
 
 # A value of every AMQP field type pika can send (pika sends no floats).
@@ -132,6 +135,22 @@ operation = st.one_of(
     st.tuples(st.just("delete_queue"), st.sampled_from(QUEUES), st.booleans(), st.booleans()),
     st.tuples(st.just("tx"), st.sampled_from(QUEUES), st.binary(max_size=8), st.booleans()),
     st.tuples(st.just("close_channel"), st.just(True)),
+    # The admin API: users, vhosts and permissions (RabbitMQ's management API paths).
+    st.tuples(
+        st.just("admin_user"),
+        st.sampled_from(USERS),
+        st.text(max_size=6),
+        st.sampled_from(["", "administrator", "monitoring,management"]),
+    ),
+    st.tuples(st.just("admin_delete_user"), st.sampled_from(USERS)),
+    st.tuples(st.just("admin_vhost"), st.sampled_from(VHOSTS), st.booleans()),  # or delete
+    st.tuples(
+        st.just("admin_permission"),
+        st.sampled_from(USERS),
+        st.sampled_from(["", *VHOSTS]),  # "": the sequence's own vhost
+        st.sampled_from(["", ".*", "^q", "^amq\\.gen"]),
+        st.booleans(),  # or delete
+    ),
 )
 sequences = st.lists(operation, min_size=1, max_size=25)
 
@@ -141,6 +160,8 @@ class Client:
     """One pika connection to a vhost; a fresh channel after each refusal."""
 
     url: str
+    vhost: str
+    admin: Callable[[str, str, Any], tuple[int, Any]]  # (method, path, body) -> (code, body)
     conn: pika.BlockingConnection = field(init=False)
     ch: Any = field(init=False)
     names: dict[str, str] = field(default_factory=dict)  # slot -> the server-chosen name
@@ -243,6 +264,25 @@ class Client:
     def close_channel(self, _unused: bool) -> None:
         self.ch.close()  # its unacked messages go back to their queues
         self._channel()
+
+    def _admin(self, method: str, path: str, body: Any = None) -> None:
+        code, answer = self.admin(method, path, body)
+        if code >= 400:
+            self.refused.append(f"{method} {path}: {code} {answer}")
+
+    def admin_user(self, name: str, password: str, tags: str) -> None:
+        self._admin("PUT", f"/api/users/{name}", {"password": password, "tags": tags})
+
+    def admin_delete_user(self, name: str) -> None:
+        self._admin("DELETE", f"/api/users/{name}")
+
+    def admin_vhost(self, name: str, create: bool) -> None:
+        self._admin("PUT" if create else "DELETE", f"/api/vhosts/{name}")
+
+    def admin_permission(self, user: str, vhost: str, pattern: str, grant: bool) -> None:
+        path = f"/api/permissions/{vhost or self.vhost}/{user}"
+        body = {"configure": pattern, "write": pattern, "read": pattern}
+        self._admin("PUT" if grant else "DELETE", path, body if grant else None)
 
 
 def difference(before: Any, after: Any, path: str = "") -> list[str]:
