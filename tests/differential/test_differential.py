@@ -34,3 +34,18 @@ def test_a_codec_that_drops_a_field_type_is_caught(
     monkeypatch.setenv("TANDEM_TEST_FAULT_BYTES_AS_TEXT", "1")
     with pytest.raises(harness.Differential, match="became"):
         harness.run(tmp_path, 20, seed=0, shrink=False)
+
+
+CLUSTER_COUNT = int(os.environ.get("DIFFERENTIAL_CLUSTER_COUNT", "40"))
+
+
+@pytest.mark.timeout(120 + 10 * CLUSTER_COUNT)
+def test_every_backup_equals_the_primary_and_a_new_primary_equals_the_old(
+    tmp_path: Path,
+) -> None:
+    """The same sequences through a 3-member cluster's front port: after each, every backup's
+    state equals the primary's at one position; after every 8th, kill -9 of the primary, and
+    the new primary's state equals the old one's."""
+    figures = harness.run(tmp_path, CLUSTER_COUNT, cluster=True, kill_every=8)
+    print(f"differential (cluster): {figures}")
+    assert figures["sequences"] >= CLUSTER_COUNT and figures["failovers"] >= CLUSTER_COUNT // 8
