@@ -199,6 +199,31 @@ def test_compaction_carries_old_live_messages_forward(broker_factory) -> None:  
     assert numbers(consume_all(broker, "stuck")) == [0, 1, 2]
 
 
+def test_compaction_carries_a_requeued_messages_redelivered_flag_forward(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    """The flag is a record of its own (a durable MARK) beside the message's enqueue; a
+    compaction that carried only the enqueue forward once lost it."""
+    broker = broker_factory({"segment_bytes": 32 * 1024})
+    publish_confirmed(broker, "stuck", 2, size=100)
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    ch = conn.channel()
+    method, _props, _body = ch.basic_get("stuck")
+    ch.basic_nack(method.delivery_tag, requeue=True)
+    conn.close()
+    for _ in range(8):
+        publish_confirmed(broker, "flow", 200, size=1000)
+        assert len(consume_all(broker, "flow")) == 200
+    broker.kill()
+    broker.start()
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    ch = conn.channel()
+    flags = []
+    for _ in range(2):
+        method, _props, _body = ch.basic_get("stuck", auto_ack=True)
+        flags.append(method.redelivered)
+    conn.close()
+    assert flags == [True, False]
+
+
 @pytest.fixture
 def tiny_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
     mnt = tmp_path / "tiny"

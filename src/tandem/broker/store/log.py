@@ -212,11 +212,17 @@ class Store:
             self.pending.deletes.append(seg)
 
     def _carry_forward(self, seg: int) -> None:
-        """Write again, as they were, the enqueue records of a segment's live messages."""
+        """Write again, as they were, the enqueue records of a segment's live messages, and
+        the durable marks (a requeued message's redelivered flag) of live messages."""
         found, _end, _corrupt, _torn = records.scan(self._path(seg).read_bytes(), str(seg))
         moved = 0
         for rtype, epoch, offset, payload in found:
-            if rtype & records.TYPE_MASK != records.ENQUEUE:
+            kind = rtype & records.TYPE_MASK
+            if kind == records.MARK:
+                if records.read_key(payload) in self.where:
+                    self._append(records.frame(records.MARK, epoch, offset, payload))
+                continue
+            if kind != records.ENQUEUE:
                 continue
             vhost, queue, mid = records.read_key(payload)
             key = (vhost, queue, mid)
