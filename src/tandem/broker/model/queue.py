@@ -114,34 +114,32 @@ EQUIVALENCE_ARGS = (
 REPLICATE_MODES = ("none", "configuration", "all")
 
 
-INT_ARGS = (  # name, smallest value
-    ("x-message-ttl", 0),
-    ("x-expires", 1),
-    ("x-max-length", 0),
-    ("x-max-length-bytes", 0),
-    ("x-max-priority", 0),
-)
+INT_ARGS = {  # name: (smallest value, largest value or None)
+    "x-message-ttl": (0, None),
+    "x-expires": (1, None),
+    "x-max-length": (0, None),
+    "x-max-length-bytes": (0, None),
+    "x-max-priority": (0, 255),
+}
 
 
-def _int_arg(args: dict[str, Any], name: str, minimum: int = 0) -> int | None:
-    """The argument's value, or None when it is absent or not a valid one."""
+def _int_arg(args: dict[str, Any], name: str) -> int | None:
+    """The argument's value, or None when it is absent or not a valid one (INT_ARGS)."""
     value = args.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    smallest, largest = INT_ARGS[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < smallest:
         return None
-    return value
+    return value if largest is None or value <= largest else None
 
 
 def check_arguments(args: dict[str, Any]) -> None:
     """The checks a declaring client can fail, with RabbitMQ's words. Only the protocol edge
     runs them (through `VirtualHost.declare_queue`); a queue built from a record takes its
     arguments as they were decided."""
-    for name, minimum in INT_ARGS:
+    for name in INT_ARGS:
         value = args.get(name)
-        if value is not None and _int_arg(args, name, minimum) is None:
+        if value is not None and _int_arg(args, name) is None:
             raise errors.PreconditionFailed(f"invalid arg '{name}' for queue: {value!r}")
-    max_priority = args.get("x-max-priority")
-    if max_priority is not None and max_priority > 255:
-        raise errors.PreconditionFailed("invalid arg 'x-max-priority': above 255")
     overflow = args.get("x-overflow")
     if overflow is not None and str(overflow) not in OVERFLOW_MODES:
         raise errors.PreconditionFailed(f"invalid arg 'x-overflow': {overflow!r}")
@@ -171,13 +169,10 @@ class Queue:
         self.auto_delete = auto_delete
         self.arguments = args
         self.ttl = _int_arg(args, "x-message-ttl")
-        self.expires = _int_arg(args, "x-expires", 1)
+        self.expires = _int_arg(args, "x-expires")
         self.max_length = _int_arg(args, "x-max-length")
         self.max_bytes = _int_arg(args, "x-max-length-bytes")
-        max_priority = _int_arg(args, "x-max-priority")
-        if max_priority is not None and max_priority > 255:
-            max_priority = None
-        self.max_priority = max_priority
+        self.max_priority = max_priority = _int_arg(args, "x-max-priority")
         self.overflow = str(args.get("x-overflow", "drop-head"))
         if self.overflow not in OVERFLOW_MODES:
             self.overflow = "drop-head"
