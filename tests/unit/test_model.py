@@ -7,6 +7,7 @@ from pamqp import commands
 
 from tandem import errors
 from tandem.broker.model import auth, message
+from tandem.broker.model import queue as queue_mod
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.exchange import HeadersExchange, topic_match
 
@@ -175,3 +176,25 @@ def test_users_and_permissions_enter_the_model_through_their_specs() -> None:
     b.set_permission(perm)
     assert "new" in b.vhosts
     assert b.users.permission("app", "new") == auth.Permission("^a", "", ".*")
+
+
+@pytest.mark.parametrize(
+    ("name", "bad", "good"),
+    [
+        ("x-max-priority", 256, 255),
+        ("x-max-priority", -1, 0),
+        ("x-expires", 0, 1),
+        ("x-message-ttl", True, 0),
+        ("x-max-length", "3", 3),
+    ],
+)
+def test_integer_arguments_are_checked_at_the_edge_and_taken_as_decided_after(
+    name: str, bad: object, good: int
+) -> None:
+    """A client's declaration fails with RabbitMQ's error; a queue made from a record (a
+    decision already taken) reads the same limits leniently and never refuses."""
+    with pytest.raises(errors.PreconditionFailed, match=name):
+        queue_mod.check_arguments({name: bad})
+    queue_mod.check_arguments({name: good})
+    assert queue_mod._int_arg({name: bad}, name) is None
+    assert queue_mod._int_arg({name: good}, name) == good
