@@ -307,6 +307,7 @@ class LocalCluster:
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self.amqp_port = 0
         self.admin_port = 0
+        self.token: str | None = None  # the admin token its --config sets, if any
 
     def start(self) -> LocalCluster:
         info_path = self.data_dir / "cluster.json"
@@ -357,11 +358,13 @@ class LocalCluster:
 
     def http(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """The cluster's admin port: /cluster itself, everything else the primary's."""
-        return http(self.admin_port, method, path, body)
+        return http(self.admin_port, method, path, body, self.token)
 
     def cluster(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/cluster", timeout=10) as r:
-            return json.loads(r.read())  # type: ignore[no-any-return]
+        code, answer = http(self.admin_port, "GET", "/cluster", None, self.token)
+        if code != 200:
+            raise RuntimeError(f"GET /cluster: {code} {answer}")
+        return answer  # type: ignore[no-any-return]
 
     def member(self, node: str) -> dict[str, Any]:
         return next(m for m in self.cluster()["members"] if m["node"] == node)

@@ -17,8 +17,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tandem import errors
 
 
@@ -72,14 +70,28 @@ def _cluster_up(args: argparse.Namespace) -> int:
     from tandem.local import cluster as cluster_mod
 
     base: dict[str, Any] = {}
+    if args.isr_min is not None and not 1 <= args.isr_min <= args.replicas:
+        print(
+            f"tandem: --isr-min {args.isr_min} with --replicas {args.replicas}: the ISR minimum "
+            f"must be between 1 and the number of members, or no publish could ever be "
+            "confirmed",
+            file=sys.stderr,
+        )
+        return 2
+    loaded: dict[str, Any] = {}
     if args.config:
         try:
-            config_mod.load(args.config)  # refused here, with the field named, if invalid
-            loaded = yaml.safe_load(Path(args.config).read_text()) or {}
+            loaded = config_mod.read(args.config)
         except (errors.ConfigError, OSError) as exc:
             print(f"tandem: {exc}", file=sys.stderr)
             return 2
         base = {k: v for k, v in loaded.items() if k not in cluster_mod.MEMBER_SETTINGS}
+    tls_port = None
+    if loaded.get("tls_certfile"):  # AMQPS on the front port too, at the configured port
+        tls_port = args.tls_port if args.tls_port is not None else loaded.get("tls_port", 5671)
+    elif args.tls_port is not None:
+        print("tandem: --tls-port needs tls_certfile and tls_keyfile in --config", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s [cluster] %(name)s: %(message)s",
@@ -92,6 +104,8 @@ def _cluster_up(args: argparse.Namespace) -> int:
         isr_min=args.isr_min,
         failover_delay=args.failover_delay,
         base_config=base,
+        tls_port=tls_port,
+        admin_token=loaded.get("admin_token"),
     )
     try:
         asyncio.run(cluster_mod.up(cluster))
@@ -101,12 +115,18 @@ def _cluster_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_get(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
+def _cluster_get(
+    url: str, path: str, body: dict[str, Any] | None = None, token: str | None = None
+) -> Any:
+    headers = {"Content-Type": "application/json"}
+    token = token or os.environ.get("TANDEM_ADMIN_TOKEN")
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(
         url.rstrip("/") + path,
         method="GET" if body is None else "POST",
         data=None if body is None else json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers=headers,
     )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
@@ -117,7 +137,10 @@ CLUSTER_COLUMNS = ("node", "role", "epoch", "position", "lag_records", "in_isr",
 
 def _cluster_status(args: argparse.Namespace) -> int:
     try:
-        answer = _cluster_get(args.url, "/cluster")
+        answer = _cluster_get(args.url, "/cluster", token=args.token)
+    except urllib.error.HTTPError as exc:
+        print(f"tandem: {_http_error(exc, 'cluster status', {})}", file=sys.stderr)
+        return 1
     except (urllib.error.URLError, OSError) as exc:
         print(f"tandem: cannot reach the cluster at {args.url}: {exc}", file=sys.stderr)
         return 1
@@ -152,7 +175,9 @@ def _cluster_status(args: argparse.Namespace) -> int:
 
 def _cluster_switchover(args: argparse.Namespace) -> int:
     try:
-        answer = _cluster_get(args.url, "/cluster/switchover", {"to": args.to} if args.to else {})
+        answer = _cluster_get(
+            args.url, "/cluster/switchover", {"to": args.to} if args.to else {}, args.token
+        )
     except urllib.error.HTTPError as exc:
         print(f"tandem: {_http_error(exc, 'switchover', {})}", file=sys.stderr)
         return 1
@@ -379,6 +404,26 @@ def _port(text: str) -> int:
     return value
 
 
+def _members(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of members") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: a cluster needs at least one member")
+    return value
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_LEVELS_HELP = "one of " + ", ".join(LOG_LEVELS)
+
+
+def _log_level(text: str) -> str:
+    if text.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a log level ({LOG_LEVELS_HELP})")
+    return text.lower()
+
+
 def _version() -> str:
     try:
         return metadata.version("tandem")
@@ -426,16 +471,26 @@ def parser() -> argparse.ArgumentParser:
         help="run N brokers, the election and one front port in the foreground",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    up.add_argument("--replicas", type=int, default=3, help="members")
+    up.add_argument("--replicas", type=_members, default=3, help="members")
     up.add_argument("--amqp-port", type=_port, default=5672, help="the front port for clients")
     up.add_argument("--admin-port", type=_port, default=15672, help="GET /cluster")
     up.add_argument("--data-dir", default="tandem-data", help="the cluster's data")
-    up.add_argument("--config", help="YAML settings every member takes (users, limits)")
+    up.add_argument(
+        "--config",
+        help="YAML settings every member takes (users, limits, TLS); relative paths in it are "
+        "taken from its folder",
+    )
+    up.add_argument(
+        "--tls-port",
+        type=_port,
+        help="the front port for AMQPS (default: the config's tls_port, else 5671; needs TLS "
+        "in --config)",
+    )
     up.add_argument("--isr-min", type=int, help="ISR minimum (default 2, or 1 for one member)")
     up.add_argument(
         "--failover-delay", type=float, default=1.0, help="seconds a silent primary has"
     )
-    up.add_argument("--log-level", default="info")
+    up.add_argument("--log-level", type=_log_level, default="info", help=LOG_LEVELS_HELP)
     up.set_defaults(func=_cluster_up)
     for name, fn, helptext in (
         ("status", _cluster_status, "a table of the members"),
@@ -446,6 +501,9 @@ def parser() -> argparse.ArgumentParser:
             "--url",
             default=os.environ.get("TANDEM_CLUSTER_URL", "http://127.0.0.1:15672"),
             help="the cluster's admin address (or TANDEM_CLUSTER_URL)",
+        )
+        cp.add_argument(
+            "--token", help="the admin token, if the config sets one (or TANDEM_ADMIN_TOKEN)"
         )
         cp.set_defaults(func=fn)
         if name == "status":
@@ -465,7 +523,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--liveness", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz"
     )
-    run.add_argument("--log-level", default="info")
+    run.add_argument("--log-level", type=_log_level, default="info", help=LOG_LEVELS_HELP)
     run.set_defaults(func=_operator_run)
     crd_cmd = osub.add_parser("crd", help="print the BrokerCluster CRD (crds/brokercluster.yaml)")
     crd_cmd.set_defaults(func=_operator_crd)

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -300,3 +301,96 @@ def test_a_member_that_cannot_apply_a_record_leaves_the_isr_and_says_why(
         said = log.read_text().count("not applied, set aside")
         assert said <= 1, f"{log.parent.name} said it {said} times"
     assert BUG_PHRASE not in c.logs()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--replicas", "0"], "a cluster needs at least one member"),
+        (["--replicas", "3", "--isr-min", "5"], "--isr-min 5 with --replicas 3"),
+        (["--isr-min", "0"], "--isr-min 0 with --replicas 3"),
+        (["--log-level", "LOUD"], "'LOUD' is not a log level"),
+    ],
+)
+def test_impossible_settings_are_refused_at_start_in_one_line(
+    tmp_path: Path, args: list[str], said: str
+) -> None:
+    run = tandem("cluster", "up", "--data-dir", str(tmp_path / "d"), "--amqp-port", "0", *args)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert said in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert not (tmp_path / "d" / "cluster.json").exists()
+
+
+def test_the_admin_token_guards_the_cluster_port_and_the_cli_sends_it(tmp_path: Path) -> None:
+    """The README's example config sets admin_token: the cluster's own endpoints once
+    answered anyone, and `cluster status` and `switchover` could not send it."""
+    config = tmp_path / "tandem.yaml"
+    config.write_text("admin_token: s3cret\n")
+    c = LocalCluster(tmp_path / "cluster", 2, "--config", str(config))
+    c.token = "s3cret"
+    c.start()
+    try:
+        url = f"http://127.0.0.1:{c.admin_port}"
+        for path in ("/cluster", "/api/vhosts"):  # its own, and one forwarded to the primary
+            assert support.http(c.admin_port, "GET", path)[0] == 401
+        refused = tandem("cluster", "status", "--url", url)
+        assert refused.returncode == 1 and "401" in refused.stderr, refused.stderr
+        run = tandem("cluster", "status", "--url", url, "--token", "s3cret")
+        assert run.returncode == 0 and run.stdout.startswith("primary: "), run.stderr
+        by_env = subprocess.run(
+            [sys.executable, "-m", "tandem.cli", "cluster", "status", "--url", url],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TANDEM_ADMIN_TOKEN": "s3cret"},
+            timeout=60,
+        )
+        assert by_env.returncode == 0, by_env.stderr
+        switch = tandem("cluster", "switchover", "--url", url)
+        assert switch.returncode == 1 and "401" in switch.stderr, switch.stderr
+        assert c.cluster()["primary"] is not None
+    finally:
+        c.stop()
+
+
+def test_amqps_on_the_front_port_with_the_config_paths_relative_to_its_file(
+    tmp_path: Path, certs: tuple[Path, Path]
+) -> None:
+    """Each member once took the config's tls_port (they clashed) and read its relative
+    paths from its own folder. Now the front port has AMQPS too, and a client keeps it
+    across a failover."""
+    cert, _key = certs
+    config = tmp_path / "tandem.yaml"  # beside cert.pem and key.pem, named relatively
+    config.write_text("tls_certfile: cert.pem\ntls_keyfile: key.pem\ntls_port: 0\n")
+    c = LocalCluster(tmp_path / "cluster", 3, "--config", str(config)).start()
+    try:
+        info = json.loads((c.data_dir / "cluster.json").read_text())
+        ports = [m["tls_port"] for m in c.cluster()["members"]]
+        assert info["amqps"] and len(set(ports)) == 3 and all(ports), (info, ports)
+        ctx = ssl.create_default_context(cafile=str(cert))
+
+        def tls_connection() -> pika.BlockingConnection:
+            params = pika.ConnectionParameters(
+                "127.0.0.1", info["amqps"], ssl_options=pika.SSLOptions(ctx, "localhost")
+            )
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    return pika.BlockingConnection(params)
+                except pika.exceptions.AMQPConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)  # the client's reconnect delay, during the failover
+
+        conn = tls_connection()
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("secure", durable=True)
+        ch.basic_publish("", "secure", b"over tls", pika.BasicProperties(delivery_mode=2))
+        conn.close()
+        old = c.primary()
+        os.kill(old["pid"], signal.SIGKILL)
+        c.wait_for(lambda s: s["serving"] and s["primary"] != old["node"], "a new primary")
+        conn = tls_connection()
+        assert support.drain(conn, "secure") == [b"over tls"]
+    finally:
+        c.stop()

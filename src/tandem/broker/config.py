@@ -155,9 +155,23 @@ def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Co
     except UnicodeDecodeError:
         raise ConfigError(f"config file {p} is not UTF-8 text") from None
     if isinstance(raw, dict):
-        base = p.resolve().parent
-        for key in PATH_SETTINGS:
-            value = raw.get(key)
-            if isinstance(value, str) and value and not Path(value).is_absolute():
-                raw[key] = str(base / value)
+        raw = relative_to(raw, p)
     return parse(raw, str(p), overrides)
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """A config file's settings as written, checked (`load`), paths made absolute: what the
+    local cluster hands every member."""
+    load(path)  # refused here, with the field named, if invalid
+    return relative_to(yaml.safe_load(Path(path).read_text()) or {}, Path(path))
+
+
+def relative_to(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`raw` with its relative paths taken from the config file's folder, not the cwd."""
+    base = path.resolve().parent
+    out = dict(raw)
+    for key in PATH_SETTINGS:
+        value = out.get(key)
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            out[key] = str(base / value)
+    return out

@@ -139,6 +139,7 @@ class Node:
         self.ready = False
         self.amqp_port = 0
         self.tls_port: int | None = None
+        self.amqps_context: ssl.SSLContext | None = None
         self.admin_port = 0
         self.memory_limit = cfg.memory_high_watermark or int(_machine_memory() * 0.4)
         self._auth_file = cfg.data_dir / "auth.json" if cfg.data_dir else None
@@ -432,7 +433,7 @@ class Node:
                 fds,
                 cfg.max_connections,
             )
-        tls = self._tls_context()
+        tls = self.amqps_context = self._tls_context()
         amqp = await _listen(
             "AMQP",
             "--amqp-port (or amqp_port)",
@@ -503,13 +504,24 @@ class Node:
             if self.lock is not None:
                 self.lock.release()
 
-    async def _adopt(self, sock: socket.socket) -> None:
-        """A client the front port accepted: served here while this node is primary."""
+    async def _adopt(self, sock: socket.socket, tls: bool) -> None:
+        """A client the front port accepted (on its AMQPS port with `tls`): served here
+        while this node is primary."""
         if self.role == "backup":
             sock.close()  # the client reconnects through the front port to the new primary
             return
+        if tls and self.amqps_context is None:
+            log.warning("front port: an AMQPS client, but this node has no TLS; closed")
+            sock.close()
+            return
         await server.adopt(
-            sock, self.broker, self, self.limits, self.connections, self.cfg.max_connections
+            sock,
+            self.broker,
+            self,
+            self.limits,
+            self.connections,
+            self.cfg.max_connections,
+            self.amqps_context if tls else None,
         )
 
     def _sweep(self) -> None:

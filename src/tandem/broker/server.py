@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -195,20 +196,26 @@ async def adopt(
     limits: conn_mod.Limits,
     registry: set[AMQPProtocol],
     max_connections: int,
+    tls: ssl.SSLContext | None = None,
 ) -> None:
-    """Serve a client socket accepted elsewhere (the local cluster's front port)."""
+    """Serve a client socket accepted elsewhere (the local cluster's front port); with
+    `tls`, the handshake is done here."""
     loop = asyncio.get_running_loop()
     await loop.connect_accepted_socket(
-        lambda: AMQPProtocol(broker, hub, limits, registry, max_connections), sock
+        lambda: AMQPProtocol(broker, hub, limits, registry, max_connections),
+        sock,
+        ssl=tls,
+        ssl_handshake_timeout=10.0 if tls is not None else None,
     )
 
 
 async def receive_sockets(
     path: str,
-    adopt_one: Callable[[socket.socket], Awaitable[None]],
+    adopt_one: Callable[[socket.socket, bool], Awaitable[None]],
     stop: asyncio.Event,
 ) -> None:
-    """Listen on a Unix socket for client sockets passed with SCM_RIGHTS and adopt each."""
+    """Listen on a Unix socket for client sockets passed with SCM_RIGHTS and adopt each
+    (with whether it speaks TLS: the front's marker `t`, else `c`)."""
     loop = asyncio.get_running_loop()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -237,7 +244,7 @@ async def receive_sockets(
 
 
 async def _handoffs(
-    conn: socket.socket, adopt_one: Callable[[socket.socket], Awaitable[None]]
+    conn: socket.socket, adopt_one: Callable[[socket.socket, bool], Awaitable[None]]
 ) -> None:
     loop = asyncio.get_running_loop()
     conn.setblocking(False)
@@ -255,10 +262,11 @@ async def _handoffs(
                 continue
             if not msg and not fds:
                 return  # the front closed its end
-            for fd in fds:
+            kinds = msg if len(msg) == len(fds) else b"c" * len(fds)
+            for fd, kind in zip(fds, kinds, strict=True):
                 client = socket.socket(fileno=fd)
                 try:
-                    await adopt_one(client)
+                    await adopt_one(client, kind == ord("t"))
                 except Exception:
                     log.exception("unexpected error, please report it as a bug: adopting a client")
                     client.close()

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
 import secrets
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ MEMBER_SETTINGS = frozenset(
         "cluster_key_file",
         "front_socket",
         "isr_min",
+        "tls_port",  # the front's AMQPS port; each member takes one of its own
     }
 )
 
@@ -97,6 +99,8 @@ class LocalCluster:
         failover_delay: float = 1.0,
         base_config: dict[str, Any] | None = None,
         link_address: Callable[[Endpoint], str] | None = None,
+        tls_port: int | None = None,
+        admin_token: str | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.link_address = link_address
@@ -104,7 +108,8 @@ class LocalCluster:
         self.procs = {n: Proc(n, data_dir / n) for n in self.nodes}
         self.isr_min = isr_min if isr_min is not None else min(2, replicas)
         self.settings = Settings(failover_delay=failover_delay, isr_min=self.isr_min)
-        self.front = Front(host, amqp_port)
+        self.front = Front(host, amqp_port, tls_port)
+        self.admin_token = admin_token
         self.admin_host, self.admin_port = host, admin_port
         self.base_config = {**(base_config or {}), "isr_min": self.isr_min}
         self.store = FileElectionStore(data_dir, self.nodes)
@@ -131,6 +136,13 @@ class LocalCluster:
             raise _port_error(
                 "clients (the front port)", "--amqp-port", self.front.port, exc
             ) from None
+        if self.front.tls_port is not None:
+            try:
+                self.front.bind_tls()
+            except OSError as exc:
+                raise _port_error(
+                    "AMQPS clients (the front port)", "--tls-port", self.front.tls_port, exc
+                ) from None
         supervisor = Supervisor(self.procs, key_file, self.base_config, self._exited)
         async with aiohttp.ClientSession() as session:
             self.session = session
@@ -180,6 +192,7 @@ class LocalCluster:
     def _announce(self) -> None:
         info = {
             "amqp": self.front.port,
+            "amqps": self.front.tls_port,
             "admin": self.admin_port,
             "pid": os.getpid(),
             "members": {n: self._member(p) for n, p in self.procs.items()},
@@ -187,8 +200,13 @@ class LocalCluster:
         (self.data_dir / "cluster.json").write_text(json.dumps(info))
         print(
             f"tandem cluster of {len(self.nodes)} ready: amqp://guest:guest@{self.front.host}:"
-            f"{self.front.port}/ (front port), admin http://{self.admin_host}:{self.admin_port}"
-            "/cluster",
+            f"{self.front.port}/ (front port)"
+            + (
+                f", amqps://{self.front.host}:{self.front.tls_port}/"
+                if self.front.tls_port is not None
+                else ""
+            )
+            + f", admin http://{self.admin_host}:{self.admin_port}/cluster",
             flush=True,
         )
 
@@ -200,6 +218,7 @@ class LocalCluster:
             "amqp_port": p.amqp_port,
             "admin_port": p.admin_port,
             "replication_port": p.replication_port,
+            "tls_port": p.tls_port,
             "role": s.get("role", "down") if p.alive else "down",
             "epoch": s.get("epoch"),
             "position": s.get("position"),
@@ -228,7 +247,11 @@ class LocalCluster:
             "primary": record.holder if record is not None else None,
             "isr": sorted(record.isr) if record is not None else [],
             "serving": self.front.target is not None,
-            "front": {"host": self.front.host, "port": self.front.port},
+            "front": {
+                "host": self.front.host,
+                "port": self.front.port,
+                "tls_port": self.front.tls_port,
+            },
             "held_connections": len(self.front.held),
             "last_decision": (
                 self.controller.last.reason
@@ -302,7 +325,29 @@ class LocalCluster:
                     {"error": f"the primary {primary.node} did not answer: {exc!r}"}, status=503
                 )
 
-        app = web.Application()
+        @web.middleware
+        async def auth(
+            request: web.Request,
+            handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+        ) -> web.StreamResponse:
+            """The admin token guards the cluster's own endpoints as the members' guard
+            theirs; everything forwarded carries the client's Authorization to the primary,
+            which checks it."""
+            token = self.admin_token
+            if token and request.path.startswith("/cluster"):
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                    return web.json_response(
+                        {
+                            "error": "a valid bearer token is required: send 'Authorization: "
+                            "Bearer <token>' (tandem cluster status: --token or "
+                            "TANDEM_ADMIN_TOKEN)"
+                        },
+                        status=401,
+                    )
+            return await handler(request)
+
+        app = web.Application(middlewares=[auth])
         app.add_routes(
             [
                 web.get("/cluster", cluster),

@@ -11,6 +11,9 @@ those sockets down: a client of a primary that hangs (SIGSTOP, a stalled disk) s
 connection end at once and reconnects to the new primary, rather than waiting for its own
 heartbeat timeout (pika's is the heartbeat plus 5 s). The descriptors of connections that
 ended on their own are closed every second.
+
+With TLS, a second port takes AMQPS clients the same way: the socket is handed over with the
+marker `t` instead of `c`, and the primary does the TLS handshake with its certificate.
 """
 
 from __future__ import annotations
@@ -27,28 +30,39 @@ log = logging.getLogger(__name__)
 
 HOLD_SECONDS = 30.0
 TCP_ESTABLISHED = 1  # tcpi_state in struct tcp_info
+PLAIN, TLS = b"c", b"t"  # what the primary is told a handed socket speaks
 
 
 class Front:
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, tls_port: int | None = None) -> None:
+        self.host, self.port, self.tls_port = host, port, tls_port
         self.listener: socket.socket | None = None
+        self.tls_listener: socket.socket | None = None
         self.target: Path | None = None  # the primary's front socket
         self.link: socket.socket | None = None
-        self.held: collections.deque[tuple[socket.socket, float]] = collections.deque()
+        self.held: collections.deque[tuple[socket.socket, float, bytes]] = collections.deque()
         self.changed = asyncio.Event()
         self.handed = 0
         self.clients: list[socket.socket] = []  # our descriptors of the target's clients
 
     def bind(self) -> int:
+        self.listener = self._listen(self.port)
+        self.port = self.listener.getsockname()[1]
+        return self.port
+
+    def bind_tls(self) -> int:
+        assert self.tls_port is not None
+        self.tls_listener = self._listen(self.tls_port)
+        self.tls_port = self.tls_listener.getsockname()[1]
+        return self.tls_port
+
+    def _listen(self, port: int) -> socket.socket:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((self.host, self.port))
+        s.bind((self.host, port))
         s.listen(1024)
         s.setblocking(False)
-        self.listener = s
-        self.port = s.getsockname()[1]
-        return self.port
+        return s
 
     def point(self, target: Path | None) -> None:
         """Hand new connections to the primary listening on `target` (None: hold them)."""
@@ -87,29 +101,33 @@ class Front:
         assert self.listener is not None
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._release_held(stop))
-            accept = tg.create_task(self._accept(stop))
+            accepts = [tg.create_task(self._accept(self.listener, PLAIN, stop))]
+            if self.tls_listener is not None:
+                accepts.append(tg.create_task(self._accept(self.tls_listener, TLS, stop)))
             await stop.wait()
-            accept.cancel()
+            for accept in accepts:
+                accept.cancel()
             self.changed.set()
-        for sock, _t in self.held:
+        for sock, _t, _kind in self.held:
             sock.close()
         for client in self.clients:
             client.close()
         if self.link is not None:
             self.link.close()
         self.listener.close()
+        if self.tls_listener is not None:
+            self.tls_listener.close()
 
-    async def _accept(self, stop: asyncio.Event) -> None:
+    async def _accept(self, listener: socket.socket, kind: bytes, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
-        assert self.listener is not None
         while not stop.is_set():
             try:
-                client, _addr = await loop.sock_accept(self.listener)
+                client, _addr = await loop.sock_accept(listener)
             except OSError as exc:
                 log.warning("front port: accept failed: %s", exc)
                 continue
-            if self.held or not await self._hand(client):
-                self.held.append((client, time.monotonic()))
+            if self.held or not await self._hand(client, kind):
+                self.held.append((client, time.monotonic(), kind))
 
     async def _release_held(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -119,17 +137,17 @@ class Front:
             self._prune()
             now = time.monotonic()
             while self.held:
-                client, since = self.held[0]
+                client, since, kind = self.held[0]
                 if now - since > HOLD_SECONDS:
                     self.held.popleft()
                     client.close()
                     continue
-                if not await self._hand(client):
+                if not await self._hand(client, kind):
                     break
                 self.held.popleft()
 
-    async def _hand(self, client: socket.socket) -> bool:
-        """Pass `client` to the primary; False when there is none to take it now."""
+    async def _hand(self, client: socket.socket, kind: bytes) -> bool:
+        """Pass `client` (PLAIN or TLS) to the primary; False when none can take it now."""
         if self.target is None:
             return False
         try:
@@ -138,7 +156,7 @@ class Front:
                 link.settimeout(1.0)
                 link.connect(str(self.target))
                 self.link = link
-            socket.send_fds(self.link, [b"c"], [client.fileno()])
+            socket.send_fds(self.link, [kind], [client.fileno()])
         except OSError as exc:
             log.info("front port: cannot reach the primary at %s: %s", self.target, exc)
             if self.link is not None:

@@ -46,6 +46,7 @@ class Proc:
     amqp_port: int = 0
     admin_port: int = 0
     replication_port: int = 0
+    tls_port: int | None = None  # its own AMQPS port, when the cluster has TLS
     process: asyncio.subprocess.Process | None = None
     started: float = 0.0
     last_answer: float = 0.0
@@ -101,6 +102,8 @@ class Supervisor:
             "cluster_key_file": str(self.key_file),
             "front_socket": str(proc.front_socket),
         }
+        if cfg.get("tls_certfile"):
+            cfg["tls_port"] = proc.tls_port or 0  # its own; the front port has the shared one
         config = proc.data_dir / "member.yaml"
         config.write_text(yaml.safe_dump(cfg))
         ports = proc.data_dir / "ports.json"
@@ -131,6 +134,7 @@ class Supervisor:
         info = json.loads(ports.read_text())
         proc.amqp_port, proc.admin_port = info["amqp"], info["admin"]
         proc.replication_port = info["replication"]
+        proc.tls_port = info.get("amqps")
         log.info(
             "member %s started: pid %d, amqp %d, admin %d, replication %d",
             proc.node,
