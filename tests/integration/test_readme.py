@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 from pathlib import Path
 
 import pika
 import pytest
 
-from tests.support import wait_for_amqp
+from tests.support import LocalCluster, wait_for_amqp
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -64,3 +66,47 @@ def test_first_command_runs_a_cluster_clients_can_use(tmp_path: Path) -> None:
             shutil.rmtree(data, ignore_errors=True)
     assert "tandem cluster of 3 ready: amqp://guest:guest@127.0.0.1:5672/" in out
     assert "admin http://127.0.0.1:15672/cluster" in out
+
+
+def test_the_readme_example_config_runs_a_cluster_with_tls(
+    tmp_path: Path, certs: tuple[Path, Path]
+) -> None:
+    """`tandem cluster up --config` with the README's own example, as written but for its
+    certificate paths (the test's) and tls_port (a free one)."""
+    cert, key = certs
+    text = (ROOT / "README.md").read_text()
+    example = re.search(r"Configure with a YAML file.*?```yaml\n(.+?)\n```", text, re.S)
+    assert example is not None
+    config = (
+        example.group(1)
+        .replace("/etc/tandem/cert.pem", str(cert))
+        .replace("/etc/tandem/key.pem", str(key))
+        .replace("tls_port: 5671", "tls_port: 0")
+    )
+    (tmp_path / "tandem.yaml").write_text(config)
+    (tmp_path / "rabbitmq-definitions.json").write_text("{}")  # its optional migration
+    c = LocalCluster(tmp_path / "cluster", 3, "--config", str(tmp_path / "tandem.yaml"))
+    c.token = "change-me"
+    c.start()
+    try:
+        amqps = json.loads((c.data_dir / "cluster.json").read_text())["amqps"]
+        ctx = ssl.create_default_context(cafile=str(cert))
+        params = pika.ConnectionParameters(
+            "127.0.0.1",
+            amqps,
+            "prod",
+            pika.PlainCredentials("app", "app-secret"),
+            ssl_options=pika.SSLOptions(ctx, "localhost"),
+        )
+        conn = pika.BlockingConnection(params)
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("app.orders", durable=True)
+        ch.exchange_declare("app.events", "fanout", durable=True)  # its permissions: ^app\.
+        ch.queue_bind("app.orders", "app.events")
+        ch.basic_publish("app.events", "", b"1", pika.BasicProperties(delivery_mode=2))
+        method, _props, body = ch.basic_get("app.orders", auto_ack=True)
+        assert body == b"1"
+        conn.close()
+    finally:
+        c.stop()
