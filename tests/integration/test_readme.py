@@ -105,7 +105,7 @@ def test_the_readme_example_config_runs_a_cluster_with_tls(
         ch.exchange_declare("app.events", "fanout", durable=True)  # its permissions: ^app\.
         ch.queue_bind("app.orders", "app.events")
         ch.basic_publish("app.events", "", b"1", pika.BasicProperties(delivery_mode=2))
-        method, _props, body = ch.basic_get("app.orders", auto_ack=True)
+        _method, _props, body = ch.basic_get("app.orders", auto_ack=True)
         assert body == b"1"
         conn.close()
     finally:
