@@ -642,6 +642,43 @@ async def test_scaling_up_adds_a_member_and_down_takes_it_out_of_the_isr_first(
 
 
 @pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_scaling_to_one_member_leaves_its_publishers_unblocked(
+    demo: tuple[Api, Operator, Labels, Kubelet],
+) -> None:
+    """Issue 15: scaling 3 to 1 with isrMin unset once left the ISR at the primary alone
+    while the brokers kept their minimum of 2: every publisher blocked. The minimum now
+    travels in the election record: the controller writes 1, and the primary takes it."""
+    api, _, _, kubelet = demo
+    status, body = await api.call("PATCH", f"{BC_PATH}/demo", {"spec": {"replicas": 1}})
+    assert status == 200, body
+    await api.until(
+        f"/apis/apps/v1/namespaces/{NS}/statefulsets",
+        lambda o: o["spec"]["replicas"] == 1,
+        "the StatefulSet scaled to 1",
+    )
+    lease = await api.until(
+        LEASE_PATH,
+        lambda o: (
+            o["metadata"]["annotations"].get("tandem.dev/isr") == o["spec"]["holderIdentity"]
+            and o["metadata"]["annotations"].get("tandem.dev/isr-min") == "1"
+        ),
+        "the ISR at the primary alone, with a minimum of 1",
+    )
+    primary = kubelet.brokers[lease["spec"]["holderIdentity"]]
+
+    def unblocked() -> dict[str, Any]:
+        deadline = time.monotonic() + 30
+        while (st := primary.status())["alarms"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling the primary's observed state
+        return st
+
+    st = await asyncio.to_thread(unblocked)
+    assert not st["alarms"], st["alarms"]
+    assert st["isr"] == [lease["spec"]["holderIdentity"]]
+
+
+@pytest.mark.asyncio
 async def test_an_invalid_spec_creates_nothing_and_says_why(
     world: tuple[Api, Operator, Labels],
 ) -> None:

@@ -28,6 +28,8 @@ def parse_record(text: str) -> ElectionRecord:
         isr=frozenset(isr.removeprefix("isr=").split(",")),
         tracking=frozenset(extra["track"].split(",")) if "track" in extra else frozenset(),
         version=int(extra.get("v", 0)),
+        # The settings' minimum (2) unless the row says: min=- for a record without one.
+        isr_min=None if extra.get("min") == "-" else int(extra.get("min", SETTINGS.isr_min)),
     )
 
 
@@ -109,6 +111,8 @@ def render(d: decide.Decision) -> str:
             return f"promote {d.target} @{d.epoch} isr={isr}"
         case Action.FOLLOW:
             return f"follow {nodes} → {d.target}"
+        case Action.SET_MIN:
+            return "set_min"
         case Action.SHRINK_ISR | Action.GROW_ISR:
             return f"{d.action.value.split('_')[0]} → {isr}"
         case Action.TRACK | Action.UNTRACK:

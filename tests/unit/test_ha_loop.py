@@ -95,7 +95,7 @@ class Clock:
 
 
 def healthy() -> tuple[Store, Cluster]:
-    record = ElectionRecord("a", 3, frozenset("abc"), version=7)
+    record = ElectionRecord("a", 3, frozenset("abc"), version=7, isr_min=Settings().isr_min)
     cluster = Cluster(
         [
             Member("a", Liveness.UP, Role.PRIMARY, 3, Position(3, 10), applied_version=7),
@@ -222,3 +222,15 @@ def test_an_unreachable_world_is_a_warning_not_a_bug(caplog: pytest.LogCaptureFi
         asyncio.run(c.run(type("Stop", (), {"is_set": lambda self: next(turns)})()))
     assert "did not answer" in caplog.text and BUG not in caplog.text
     assert ("renew", "a") in cluster.calls
+
+
+def test_a_changed_isr_minimum_is_written_to_the_record_and_sent_to_the_primary() -> None:
+    """Issue 15: the minimum travels in the election record, so the brokers take a change of
+    it (a spec edit, a scale to one member) without a restart, and agree with the controller."""
+    store, cluster = healthy()
+    c = Controller("demo", store, cluster, cluster, Clock(), Settings(isr_min=1))
+    d = asyncio.run(c.turn())
+    assert d.action is Action.SET_MIN and "ISR minimum is 1 (the record says 2)" in d.reason
+    assert store.record.isr_min == 1 and store.record.isr == frozenset("abc")
+    assert ("set_isr", "a", "a,b,c") in cluster.calls
+    assert asyncio.run(c.turn()).action is Action.HOLD  # once written, nothing more to do

@@ -24,6 +24,7 @@ class Action(enum.Enum):
     TRACK = "track"  # have the primary wait for a member that has caught up
     UNTRACK = "untrack"  # stop waiting for a tracked member that fell behind again
     GROW_ISR = "grow_isr"  # name a tracked member in the ISR once the primary waits for it
+    SET_MIN = "set_min"  # record the ISR minimum the settings give (changed, or not yet there)
     REFUSE = "refuse"  # an asked-for switchover that would be unsafe
 
 
@@ -253,6 +254,20 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
                 isr=record.isr,
                 tracking=record.tracking | {m.node},
             )
+    if record.isr_min != settings.isr_min:
+        was = "none" if record.isr_min is None else str(record.isr_min)
+        blocked = (
+            f"; with {len(record.isr)} in sync the primary confirms nothing until more catch up"
+            if len(record.isr) < settings.isr_min
+            else ""
+        )
+        return Decision(
+            Action.SET_MIN,
+            f"the ISR minimum is {settings.isr_min} (the record says {was}){blocked}",
+            epoch=record.epoch,
+            isr=record.isr,
+            tracking=record.tracking,
+        )
     return Decision(Action.HOLD, f"primary {primary.node} serves; {record.describe()}")
 
 

@@ -94,7 +94,13 @@ class Controller:
             assert d.target is not None
             for node in sorted(d.nodes):
                 await a.follow(node, d.target, d.epoch)
-        elif d.action in (Action.SHRINK_ISR, Action.TRACK, Action.UNTRACK, Action.GROW_ISR):
+        elif d.action in (
+            Action.SHRINK_ISR,
+            Action.TRACK,
+            Action.UNTRACK,
+            Action.GROW_ISR,
+            Action.SET_MIN,
+        ):
             # The record first, then the primary (rule 4): on shrink and untrack the primary
             # may stop waiting for a member only once the record no longer names it; a member
             # is named in the ISR only once the primary reported that it waits for it.
@@ -108,6 +114,8 @@ class Controller:
     async def _write(
         self, old: ElectionRecord, new: ElectionRecord, d: Decision
     ) -> ElectionRecord | None:
+        """Compare-and-set; every record written carries the settings' ISR minimum."""
+        new = replace(new, isr_min=self.settings.isr_min)
         stored = await self.store.compare_and_set(old, new)
         if stored is None:
             log.warning(

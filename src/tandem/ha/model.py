@@ -76,6 +76,11 @@ class ElectionRecord:
     # Members on their way into the ISR: the primary waits for their acks too, so that once
     # one has acked all that is confirmed, the ISR may name it (rule 4).
     tracking: frozenset[str] = frozenset()
+    # The ISR minimum, as the controller set it: the primary confirms nothing with fewer in
+    # sync. It travels here (not only in each broker's config) so that a change of it, or a
+    # scale-down, reaches the brokers and the controller together. None in a record written
+    # before it was part of the record: the members' configured minimum holds.
+    isr_min: int | None = None
 
     def __post_init__(self) -> None:
         if self.holder is not None and self.holder not in self.isr:
@@ -101,6 +106,7 @@ class ElectionRecord:
             "isr": sorted(self.isr),
             "tracking": sorted(self.tracking),
             "version": self.version,
+            **({"isr_min": self.isr_min} if self.isr_min is not None else {}),
         }
 
     @classmethod
@@ -116,6 +122,7 @@ class ElectionRecord:
                 isr=frozenset(str(n) for n in data["isr"]),
                 version=int(data.get("version", 0)),
                 tracking=frozenset(str(n) for n in data.get("tracking", ())),
+                isr_min=None if data.get("isr_min") is None else int(data["isr_min"]),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not an election record: {exc!r}") from None
@@ -123,7 +130,8 @@ class ElectionRecord:
     def describe(self) -> str:
         isr = ",".join(sorted(self.isr)) or "-"
         tracking = f" tracking={','.join(sorted(self.tracking))}" if self.tracking else ""
-        return f"primary={self.holder or '-'} epoch={self.epoch} isr={isr}{tracking}"
+        least = f" isr_min={self.isr_min}" if self.isr_min is not None else ""
+        return f"primary={self.holder or '-'} epoch={self.epoch} isr={isr}{tracking}{least}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,6 +99,8 @@ async def reconcile(
     ]
     kopf.adopt(objects, owner=body)
     loop: ClusterLoop | None = memo.loops.get((namespace, name))
+    if loop is not None:
+        loop.configure(parsed)  # failover settings and the ISR minimum, live
     for obj in objects:
         if obj["kind"] == "Secret":
             await kube.ensure(obj)

@@ -20,6 +20,7 @@ from tandem.operator import builders
 ISR = "tandem.dev/isr"
 TRACKING = "tandem.dev/tracking"
 VERSION = "tandem.dev/version"
+ISR_MIN = "tandem.dev/isr-min"
 
 Obj = dict[str, Any]
 
@@ -53,6 +54,7 @@ def record_of(lease: Obj) -> ElectionRecord:
         isr=_names(notes.get(ISR, "")),
         version=int(notes.get(VERSION, "0")),
         tracking=_names(notes.get(TRACKING, "")),
+        isr_min=int(notes[ISR_MIN]) if notes.get(ISR_MIN) else None,
     )
 
 
@@ -61,6 +63,8 @@ def body_of(name: str, namespace: str, record: ElectionRecord) -> Obj:
     lease["metadata"]["annotations"].update(
         {TRACKING: ",".join(sorted(record.tracking)), VERSION: str(record.version)}
     )
+    if record.isr_min is not None:
+        lease["metadata"]["annotations"][ISR_MIN] = str(record.isr_min)
     return lease
 
 

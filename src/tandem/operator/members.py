@@ -192,6 +192,26 @@ class ClusterLoop:
             poll_interval=spec.failover.poll_seconds,
         )
 
+    def configure(self, spec: BrokerClusterSpec) -> None:
+        """A spec edit reaches the running loop: the failover delay and poll interval at once,
+        the ISR minimum through the election record at the next look (decide's SET_MIN), so
+        the brokers take it without a restart and agree with the controller."""
+        settings = replace(
+            self.controller.settings,
+            failover_delay=spec.failover.delay_seconds,
+            isr_min=spec.isr_min,
+        )
+        if settings != self.controller.settings:
+            log.info(
+                "cluster=%s/%s settings now: failover delay %gs, ISR minimum %d",
+                self.namespace,
+                self.name,
+                settings.failover_delay,
+                settings.isr_min,
+            )
+            self.controller.settings = settings
+        self.controller.poll_interval = spec.failover.poll_seconds
+
     async def after_look(self, record: ElectionRecord, members: tuple[Member, ...]) -> None:
         """Called by the observer after every look, before the decision."""
         notes = (self.body.get("metadata") or {}).get("annotations") or {}
@@ -416,10 +436,24 @@ class ClusterLoop:
             if staying and self.controller.switchover_to is None:
                 self.controller.switchover_to = staying[0]
             return False
+        least = self.controller.settings.isr_min
+        if len(record.isr - leaving) < least:
+            log.info(
+                "cluster=%s/%s scaling down: %s would leave the ISR %s below its minimum of "
+                "%d; waiting for the staying members to be in sync",
+                self.namespace,
+                self.name,
+                ",".join(sorted(leaving)),
+                ",".join(sorted(record.isr)),
+                least,
+            )
+            return False
         self.pods.resize([n for n in self.pods.by_node if n not in leaving])
         if not (record.isr | record.tracking) & leaving:
             return True
-        new = replace(record, isr=record.isr - leaving, tracking=record.tracking - leaving)
+        new = replace(
+            record, isr=record.isr - leaving, tracking=record.tracking - leaving, isr_min=least
+        )
         stored = await self.store.compare_and_set(record, new)
         if stored is None or record.holder is None:
             return False

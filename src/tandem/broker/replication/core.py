@@ -416,6 +416,8 @@ class Replica:
     def _inform(self, rec: ElectionRecord) -> None:
         if rec.version > self.applied_version:
             self.isr, self.tracking, self.applied_version = rec.isr, rec.tracking, rec.version
+            if rec.isr_min is not None:
+                self.isr_min = rec.isr_min  # the controller's, over the configured one
             self._advance()
 
     def _hello(self, again: bool = False) -> Out:
