@@ -724,6 +724,7 @@ async def test_deleting_a_cluster_deletes_its_claims_when_retention_says_so(
             "POST", f"/api/v1/namespaces/{NS}/persistentvolumeclaims", claim
         )
         assert status in (200, 201), body
+        await put_lease(api, name, 4)  # what its failover loop would have written
         await api.until(
             BC_PATH,
             lambda o, name=name: (
@@ -745,6 +746,61 @@ async def test_deleting_a_cluster_deletes_its_claims_when_retention_says_so(
     claims = f"/api/v1/namespaces/{NS}/persistentvolumeclaims"
     assert await api.get(f"{claims}/data-drop-0") is None
     assert await api.get(f"{claims}/data-keep-0") is not None
+    # The election record goes with the data it describes, and stays with kept data.
+    assert await api.get(f"{LEASE_PATH}/drop") is None
+    assert (await api.get(f"{LEASE_PATH}/keep"))["spec"]["leaseTransitions"] == 4
+
+
+async def put_lease(api: Api, name: str, epoch: int) -> None:
+    lease = builders.lease(name, NS, f"{name}-0", epoch, [f"{name}-0", f"{name}-1"])
+    status, body = await api.call("POST", LEASE_PATH, lease)
+    if status == 409:  # the failover loop made one first: replace it
+        status, body = await api.call("PATCH", f"{LEASE_PATH}/{name}", lease)
+    assert status in (200, 201), body
+
+
+@pytest.mark.asyncio
+async def test_a_cluster_made_again_without_its_data_does_not_wait_on_the_old_lease(
+    world: tuple[Api, Operator, Labels],
+) -> None:
+    """Issue 15: a BrokerCluster deleted with its claims (or whose claims were deleted by
+    hand), then applied again, waited forever for the members the old Lease named. With no
+    claim, that Lease belongs to data that is gone: the operator deletes it."""
+    api, _, _ = world
+    await put_lease(api, "again", 5)
+    status, body = await api.call("POST", BC_PATH, brokercluster("again"))
+    assert status in (200, 201), body
+    await api.until(
+        f"/apis/apps/v1/namespaces/{NS}/statefulsets",
+        lambda o: o["metadata"]["name"] == "again",
+        "the StatefulSet of the new cluster",
+    )
+    lease = await api.get(f"{LEASE_PATH}/again")
+    assert lease is None or int(lease["spec"].get("leaseTransitions") or 0) < 5, lease
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_a_deleted_cluster_key_comes_back_with_the_key_the_members_use(
+    demo: tuple[Api, Operator, Labels, Kubelet],
+) -> None:
+    """Issue 15: a deleted cluster-key Secret came back with a new random key, which the
+    running members did not have."""
+    api, _, _, kubelet = demo
+    before = await kubelet.secret("demo-cluster-key", "key")
+    path = f"/api/v1/namespaces/{NS}/secrets/demo-cluster-key"
+    status, body = await api.call("DELETE", path)
+    assert status == 200, body
+    # Any spec edit makes the operator reconcile (here: a longer failover delay).
+    edit = {"spec": {"failover": {"pollSeconds": 0.1, "delaySeconds": 2.0}}}
+    status, body = await api.call("PATCH", f"{BC_PATH}/demo", edit)
+    assert status == 200, body
+    await api.until(
+        f"/api/v1/namespaces/{NS}/secrets",
+        lambda o: o["metadata"]["name"] == "demo-cluster-key",
+        "the cluster key Secret back",
+    )
+    assert await kubelet.secret("demo-cluster-key", "key") == before
 
 
 @pytest.mark.asyncio

@@ -27,6 +27,7 @@ import pydantic
 from tandem.broker.ha_http import WakeableClock
 from tandem.ha.loop import BUG
 from tandem.operator import builders
+from tandem.operator import lease as lease_mod
 from tandem.operator import spec as spec_mod
 from tandem.operator.kube import ApiError, Kube
 from tandem.operator.lease import Conflict, LeaseElectionStore
@@ -101,8 +102,13 @@ async def reconcile(
     loop: ClusterLoop | None = memo.loops.get((namespace, name))
     if loop is not None:
         loop.configure(parsed)  # failover settings and the ISR minimum, live
+    claims = await kube.list("v1", "PersistentVolumeClaim", namespace, builders.selector(name))
+    if not claims:
+        await _forget_an_old_incarnation(kube, name, namespace)
     for obj in objects:
-        if obj["kind"] == "Secret":
+        if obj["metadata"]["name"] == f"{name}-cluster-key":
+            await _ensure_cluster_key(kube, body, obj, loop, bool(claims))
+        elif obj["kind"] == "Secret":
             await kube.ensure(obj)
         elif obj["kind"] == "StatefulSet":
             current = await kube.get("apps/v1", "StatefulSet", namespace, name)
@@ -120,6 +126,52 @@ async def reconcile(
             await kube.apply(obj)
     if loop is not None:
         loop.resize(_nodes(name, parsed.replicas))
+
+
+async def _forget_an_old_incarnation(kube: Kube, name: str, namespace: str) -> None:
+    """No member has data (no claim): a Lease left by an earlier cluster of this name, whose
+    claims were deleted, belongs to data that is gone. Its holder, epoch and ISR would make
+    the controller wait forever for members that no longer exist; it goes, and the new
+    cluster starts its own record. (With claims kept, the Lease is kept, and a re-created
+    cluster resumes on that data.)"""
+    lease = await kube.get("coordination.k8s.io/v1", "Lease", namespace, name)
+    if lease is None:
+        return
+    record = lease_mod.record_of(lease)
+    if record.epoch == 0 and record.holder is None:
+        return  # nothing decided yet
+    log.warning(
+        "cluster=%s/%s has no volume claims, but a Lease from an earlier cluster of this name "
+        "(%s): deleting it, this cluster starts afresh",
+        namespace,
+        name,
+        record.describe(),
+    )
+    await kube.delete("coordination.k8s.io/v1", "Lease", namespace, name)
+
+
+async def _ensure_cluster_key(
+    kube: Kube, body: kopf.Body, obj: dict[str, Any], loop: ClusterLoop | None, has_data: bool
+) -> None:
+    """The cluster key Secret, made once. Deleted while the cluster runs, it comes back with
+    the key the members use (the running loop knows it), never a new random one; if this
+    operator does not know it (it restarted since), it is not re-created, and an Event says
+    how to restore it."""
+    meta = obj["metadata"]
+    if await kube.get("v1", "Secret", meta["namespace"], meta["name"]) is not None:
+        return
+    if loop is not None:
+        obj = {**obj, "stringData": {"key": loop.key}}
+    elif has_data:
+        message = (
+            f"the Secret {meta['name']} is gone and the members' data needs the key it held; "
+            "restore it (kubectl create secret generic "
+            f"{meta['name']} --from-literal=key=...) or delete the cluster's claims to start "
+            "afresh"
+        )
+        await kube.event(body, "ClusterKeyMissing", message, "Warning")
+        raise kopf.TemporaryError(message, delay=30)
+    await kube.ensure(obj)
 
 
 async def _cluster_key(kube: Kube, name: str, namespace: str) -> str | None:
@@ -204,3 +256,5 @@ async def deleted(
     for claim in claims:
         await kube.delete("v1", "PersistentVolumeClaim", namespace, claim["metadata"]["name"])
         log.info("%s/%s deleted its volume claim %s", namespace, name, claim["metadata"]["name"])
+    # The election record belongs to the data: with the claims, it goes too.
+    await kube.delete("coordination.k8s.io/v1", "Lease", namespace, name)

@@ -165,6 +165,7 @@ class ClusterLoop:
         key: str,
     ) -> None:
         meta = body["metadata"]
+        self.key = key  # the cluster key the members run with
         self.body = body  # kopf keeps it live: annotations changed later show here
         self.store = store
         self.api, self.name, self.namespace = api, meta["name"], meta["namespace"]
