@@ -31,7 +31,7 @@ import pytest_asyncio
 import yaml
 
 from tandem.operator import builders
-from tandem.operator.spec import BrokerClusterStatus
+from tandem.operator.spec import BrokerClusterSpec, BrokerClusterStatus
 from tests.operator.emulator import Emulator
 from tests.support import BUG_PHRASE, Broker, chart_objects
 
@@ -676,6 +676,49 @@ async def test_scaling_to_one_member_leaves_its_publishers_unblocked(
     st = await asyncio.to_thread(unblocked)
     assert not st["alarms"], st["alarms"]
     assert st["isr"] == [lease["spec"]["holderIdentity"]]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_storage_edit_is_refused_once_with_a_condition_and_the_rest_applies(
+    demo: tuple[Api, Operator, Labels, Kubelet],
+) -> None:
+    """Issue 15: a change of storage.* was sent to the API server, which refuses changes of
+    a StatefulSet's claim templates, at every retry, forever."""
+    api = demo[0]
+    edit = {"spec": {"storage": {"size": "2Gi"}, "replication": {"default": "configuration"}}}
+    status, body = await api.call("PATCH", f"{BC_PATH}/demo", edit)
+    assert status == 200, body
+    event = await api.until(
+        f"/api/v1/namespaces/{NS}/events",
+        lambda o: o.get("reason") == "StorageChangeRefused",
+        "a StorageChangeRefused event",
+    )
+    assert "storage.size 1Gi -> 2Gi" in event["message"]
+    sts = await api.until(
+        f"/apis/apps/v1/namespaces/{NS}/statefulsets",
+        lambda o: (
+            o["spec"]["template"]["metadata"]["annotations"][builders.CONFIG_CHECKSUM]
+            == builders.config_checksum(
+                BrokerClusterSpec.model_validate(
+                    {"replicas": 3, "replication": {"default": "configuration"}}
+                )
+            )
+        ),
+        "the other edit applied to the StatefulSet",
+    )
+    claim = sts["spec"]["volumeClaimTemplates"][0]["spec"]
+    assert claim["resources"]["requests"]["storage"] == "1Gi"
+    bc = await api.until(
+        BC_PATH,
+        lambda o: any(
+            c["type"] == "SpecApplied" and c["status"] == "False"
+            for c in (o.get("status") or {}).get("conditions") or []
+        ),
+        "the SpecApplied condition False",
+    )
+    (applied,) = [c for c in bc["status"]["conditions"] if c["type"] == "SpecApplied"]
+    assert applied["reason"] == "StorageChangeRefused"
 
 
 @pytest.mark.asyncio

@@ -170,3 +170,24 @@ def test_without_a_users_secret_a_default_user_is_generated() -> None:
     own = spec.model_copy(update={"users_secret": "mine"})
     names = [o["metadata"]["name"] for o in builders.all_objects("demo", "d", own, "k", "p")]
     assert "demo-default-user" not in names
+
+
+def test_a_change_of_the_members_settings_changes_the_pod_template_but_isr_min_does_not() -> None:
+    """Issue 15: replication.default, leaseSeconds and TLS once never reached the brokers (the
+    template did not change, so no pod restarted). The ISR minimum takes effect live."""
+    base = {"replicas": 3}
+    sums = {
+        what: builders.config_checksum(BrokerClusterSpec.model_validate({**base, **change}))
+        for what, change in {
+            "base": {},
+            "default": {"replication": {"default": "configuration"}},
+            "lease": {"failover": {"leaseSeconds": 20.0}},
+            "tls": {"tlsSecret": "demo-tls"},
+            "isr_min": {"replication": {"isrMin": 3}},
+        }.items()
+    }
+    assert len({sums["base"], sums["default"], sums["lease"], sums["tls"]}) == 4
+    assert sums["isr_min"] == sums["base"]
+    sts = builders.stateful_set("demo", "ns", BrokerClusterSpec.model_validate(base))
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert annotations[builders.CONFIG_CHECKSUM] == sums["base"]

@@ -17,6 +17,7 @@ tests compare them with golden files.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from typing import Any
 
@@ -120,6 +121,16 @@ def member_settings(spec: BrokerClusterSpec) -> Obj:
         )
     settings["definitions"] = f"{USERS_DIR}/definitions.json"  # usersSecret, or the default
     return settings
+
+
+CONFIG_CHECKSUM = "tandem.dev/config-checksum"
+
+
+def config_checksum(spec: BrokerClusterSpec) -> str:
+    """The members' settings that need a restart to take effect, as a short digest."""
+    settings = {k: v for k, v in member_settings(spec).items() if k != "isr_min"}
+    raw = json.dumps(settings, sort_keys=True).encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
 
 
 def config_map(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
@@ -244,7 +255,13 @@ def stateful_set(name: str, namespace: str, spec: BrokerClusterSpec) -> Obj:
     if spec.storage.storage_class_name:
         claim["spec"]["storageClassName"] = spec.storage.storage_class_name
     template: Obj = {
-        "metadata": {"labels": labels(name)},
+        # A change of the members' settings changes the template, so the operator rolls the
+        # pods onto it (backups first, the primary after a switchover). The ISR minimum is
+        # left out: it takes effect live, through the election record.
+        "metadata": {
+            "labels": labels(name),
+            "annotations": {CONFIG_CHECKSUM: config_checksum(spec)},
+        },
         "spec": {
             "automountServiceAccountToken": False,  # brokers never talk to the API
             "securityContext": {

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import logging
 import secrets
 from typing import Any
@@ -112,6 +113,8 @@ async def reconcile(
             await kube.ensure(obj)
         elif obj["kind"] == "StatefulSet":
             current = await kube.get("apps/v1", "StatefulSet", namespace, name)
+            if current is not None:
+                obj = await _keep_storage(kube, body, obj, current, loop)
             replicas = int((current or {}).get("spec", {}).get("replicas") or 0)
             if loop is not None and current is not None and parsed.replicas < replicas:
                 leaving = set(_nodes(name, replicas)) - set(_nodes(name, parsed.replicas))
@@ -126,6 +129,50 @@ async def reconcile(
             await kube.apply(obj)
     if loop is not None:
         loop.resize(_nodes(name, parsed.replicas))
+
+
+def _storage(stateful_set: dict[str, Any]) -> dict[str, Any]:
+    templates = (stateful_set.get("spec") or {}).get("volumeClaimTemplates") or [{}]
+    claim = templates[0].get("spec") or {}
+    return {
+        "size": ((claim.get("resources") or {}).get("requests") or {}).get("storage"),
+        "storageClassName": claim.get("storageClassName"),
+    }
+
+
+async def _keep_storage(
+    kube: Kube,
+    body: kopf.Body,
+    desired: dict[str, Any],
+    current: dict[str, Any],
+    loop: ClusterLoop | None,
+) -> dict[str, Any]:
+    """A StatefulSet's claim templates cannot change (the API server refuses it, at every
+    retry). A storage edit is refused once, with an Event and the SpecApplied condition, and
+    the rest of the spec still applies on the claims the members have."""
+    want, have = _storage(desired), _storage(current)
+    if want == have:
+        if loop is not None:
+            loop.refused = None
+        return desired
+    changes = ", ".join(f"storage.{k} {have[k]} -> {want[k]}" for k in want if want[k] != have[k])
+    message = (
+        f"{changes}: a running cluster's volume claims cannot change (a StatefulSet's claim "
+        "templates are immutable); kept as they are. Resize the claims themselves where the "
+        "storage class allows it, or make a new cluster"
+    )
+    log.warning(
+        "cluster=%s/%s %s",
+        current["metadata"].get("namespace"),
+        current["metadata"]["name"],
+        message,
+    )
+    await kube.event(body, "StorageChangeRefused", message, "Warning")
+    if loop is not None:
+        loop.refused = message
+    kept = copy.deepcopy(desired)
+    kept["spec"]["volumeClaimTemplates"] = current["spec"]["volumeClaimTemplates"]
+    return kept
 
 
 async def _forget_an_old_incarnation(kube: Kube, name: str, namespace: str) -> None:

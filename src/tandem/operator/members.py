@@ -180,6 +180,7 @@ class ClusterLoop:
         self.cause: str | None = None  # the reason of the first decision after that
         self.serving: str | None = None
         self.diverged: dict[str, str] = {}  # member -> why, as last reported in an Event
+        self.refused: str | None = None  # a spec edit not applied (storage), and why
         settings = Settings(failover_delay=spec.failover.delay_seconds, isr_min=spec.isr_min)
         observer = HttpObserver(pods.by_node, session, key)
         self.actuator = actuator = HttpActuator(pods.by_node, session, key)
@@ -346,6 +347,12 @@ class ClusterLoop:
                 in_sync,
                 "AllInSync" if in_sync else "MembersOutOfSync",
                 f"in sync: {', '.join(sorted(record.isr)) or 'none'}",
+            ),
+            self._condition(
+                "SpecApplied",
+                self.refused is None,
+                "StorageChangeRefused" if self.refused else "Applied",
+                self.refused or "every field of the spec is in effect",
             ),
             self._condition(
                 "Consistent",
