@@ -403,9 +403,12 @@ def make_app(node: Node) -> web.Application:
 
     async def dump_state(request: web.Request) -> web.Response:
         """The whole state, exact to the byte (model/state.py); ?durable=true: only what a
-        restart keeps."""
+        restart keeps; ?replicated=true: only what every backup holds too."""
         durable = request.query.get("durable", "") in ("1", "true")
-        return web.json_response(state.dump(node.broker, durable_only=durable))
+        replicated = request.query.get("replicated", "") in ("1", "true")
+        return web.json_response(
+            state.dump(node.broker, durable_only=durable, replicated_only=replicated)
+        )
 
     async def list_queues(request: web.Request) -> web.Response:
         return web.json_response(node.status()["queues"])

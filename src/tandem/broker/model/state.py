@@ -15,6 +15,7 @@ import decimal
 from typing import Any
 
 from tandem.broker.model import records
+from tandem.broker.model import vhost as vhost_mod
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import Queue
@@ -52,10 +53,12 @@ def _message(m: Message) -> dict[str, Any]:
     }
 
 
-def _queue(q: Queue, durable_only: bool) -> dict[str, Any]:
+def _queue(q: Queue, durable_only: bool, replicated_only: bool = False) -> dict[str, Any]:
     messages = [*q.messages, *sorted(q.outstanding.values(), key=lambda m: m.mid)]
     if durable_only:
         messages = [m for m in messages if m.persistent]
+    if replicated_only and q.replicate != "all":
+        messages = []  # `configuration`: the backups hold the queue, not its messages
     return {
         "durable": q.durable,
         "auto_delete": q.auto_delete,
@@ -65,11 +68,14 @@ def _queue(q: Queue, durable_only: bool) -> dict[str, Any]:
     }
 
 
-def dump(broker: Broker, durable_only: bool = False) -> dict[str, Any]:
+def dump(
+    broker: Broker, durable_only: bool = False, replicated_only: bool = False
+) -> dict[str, Any]:
     """Vhosts with their exchanges, queues (with messages) and bindings; users and
     permissions. `durable_only`: what a restart must keep (durable exchanges, queues and
     bindings, persistent messages), without exclusive queues (they die with their
-    connection)."""
+    connection). `replicated_only`: what every backup holds too (no queue replicated
+    `none`, no message of one replicated `configuration`, no binding to either kind)."""
     vhosts: dict[str, Any] = {}
     for vh in sorted(broker.vhosts.values(), key=lambda v: v.name):
         exchanges = {
@@ -84,9 +90,10 @@ def dump(broker: Broker, durable_only: bool = False) -> dict[str, Any]:
             if e.durable or not durable_only
         }
         queues = {
-            q.name: _queue(q, durable_only)
+            q.name: _queue(q, durable_only, replicated_only)
             for q in vh.queues.values()
-            if not durable_only or (q.durable and q.exclusive_owner is None)
+            if (not durable_only or (q.durable and q.exclusive_owner is None))
+            and (not replicated_only or q.replicate != "none")
         }
         bindings = sorted(
             (
@@ -97,11 +104,17 @@ def dump(broker: Broker, durable_only: bool = False) -> dict[str, Any]:
                 _typed(b.arguments),
             )
             for b in vh.bindings()
-            if not durable_only
-            or (
-                b.source.durable
-                and b.destination.durable
-                and (not isinstance(b.destination, Queue) or b.destination.exclusive_owner is None)
+            if (not replicated_only or vhost_mod.replicated(b))
+            and (
+                not durable_only
+                or (
+                    b.source.durable
+                    and b.destination.durable
+                    and (
+                        not isinstance(b.destination, Queue)
+                        or b.destination.exclusive_owner is None
+                    )
+                )
             )
         )
         vhosts[vh.name] = {"exchanges": exchanges, "queues": queues, "bindings": bindings}

@@ -1,0 +1,367 @@
+"""End to end on a real single-node Kubernetes: k3s, as ../shared/k3s/up.sh runs it here
+(issue 15). The image is built with deploy/build-image.sh and imported into k3s's containerd,
+the CRD applied, the chart rendered by Helm's engine (tests.support.chart_objects: there is
+no helm binary here) and applied, then BrokerClusters are made and changed while a confirmed
+publisher runs through the client Service. After each operation: every confirmed message is
+still there, and the Service never selected two pods.
+
+Skipped, with the reason, where k3s is not up (no /var/lib/k3s-up/kubeconfig or a node that
+is not Ready). What k3s v1.21 here cannot show: CEL rules (the API server drops
+`x-kubernetes-validations`, so the CRD is applied with --validate=false; the emulator and
+tests/unit/test_operator_crd.py cover them), NetworkPolicy (not enforced), DNS names (no
+CoreDNS: clients use the Service's ClusterIP from this host).
+
+    python3 -m pytest tests/e2e/test_k3s.py -s      (prints each operation's figures)
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+import pytest
+import yaml
+
+from tests.support import chart_objects
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBECONFIG = Path(os.environ.get("TANDEM_K3S_KUBECONFIG", "/var/lib/k3s-up/kubeconfig"))
+TOOLS = Path("/opt/k3s-build/bin")  # kubectl, built with k3s
+CONTAINERD = "/run/k3s-up/containerd/containerd.sock"
+IMAGE = "docker.io/library/tandem:dev"
+NS = "tandem-e2e"
+VOLUMES = Path("/var/lib/tandem-e2e-volumes")
+RUN_AS = 10001  # the pods' uid (builders.RUN_AS)
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "KUBECONFIG": str(KUBECONFIG), "PATH": f"{TOOLS}:{os.environ['PATH']}"}
+
+
+def sh(*cmd: str, input: str | None = None, timeout: float = 600, check: bool = True) -> str:
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, input=input, timeout=timeout, env=env()
+    )
+    if check:
+        assert out.returncode == 0, f"{' '.join(cmd)}: {out.stdout[-1000:]}{out.stderr[-2000:]}"
+    return out.stdout
+
+
+def kubectl(*args: str, **kw: Any) -> str:
+    return sh("kubectl", *args, **kw)
+
+
+def _why_skip() -> str | None:
+    if not KUBECONFIG.exists():
+        return (
+            f"k3s is not up on this machine ({KUBECONFIG} is missing): start it with "
+            "../shared/k3s/up.sh (see its README)"
+        )
+    for tool in ("podman", "ctr"):
+        if shutil.which(tool) is None:
+            return f"the k3s suite needs {tool}, not on this machine"
+    out = subprocess.run(
+        ["kubectl", "get", "nodes", "-o", "json"],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=30,
+    )
+    if out.returncode != 0:
+        return f"k3s does not answer: {out.stderr.strip()[:300]}"
+    ready = [
+        c
+        for n in json.loads(out.stdout)["items"]
+        for c in n["status"]["conditions"]
+        if c["type"] == "Ready" and c["status"] == "True"
+    ]
+    return None if ready else "the k3s node is not Ready"
+
+
+SKIP = _why_skip()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+
+
+def wait(ok: Any, what: str, timeout: float = 300) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(AssertionError, KeyError, ValueError, IndexError):
+            value = ok()
+            if value:
+                return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} after {timeout}s")
+        time.sleep(0.5)  # polling the cluster's observed state
+
+
+def bc(name: str) -> dict[str, Any]:
+    return json.loads(kubectl("-n", NS, "get", "bc", name, "-o", "json"))  # type: ignore[no-any-return]
+
+
+def running(name: str, replicas: int) -> dict[str, Any]:
+    def ok() -> dict[str, Any] | None:
+        status = bc(name).get("status") or {}
+        in_sync = status.get("phase") == "Running" and len(status.get("isr") or []) == replicas
+        return status if in_sync and status.get("readyMembers") == replicas else None
+
+    return wait(ok, f"{name} running with {replicas} members in sync", 600)  # type: ignore[no-any-return]
+
+
+# -- the cluster's parts ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def image() -> None:
+    """tandem:dev built without a registry, and imported into k3s's containerd."""
+    sh(str(ROOT / "deploy" / "build-image.sh"), timeout=1800)
+    sh("podman", "tag", "tandem:dev", IMAGE)
+    tar = VOLUMES.parent / "tandem-e2e-image.tar"
+    tar.unlink(missing_ok=True)
+    sh("podman", "save", "--format", "docker-archive", "-o", str(tar), IMAGE, timeout=600)
+    sh(
+        *("ctr", "--address", CONTAINERD, "-n", "k8s.io", "images", "import"),
+        *("--snapshotter", "native", str(tar)),
+        timeout=600,
+    )
+    tar.unlink()
+
+
+def recycle_volumes(count: int = 6) -> None:
+    """hostPath PersistentVolumes with no class (k3s here has no provisioner); a Released
+    one (its claim deleted) is wiped and made Available again, as a fresh disk."""
+    found = json.loads(kubectl("get", "pv", "-o", "json"))["items"]
+    have = {pv["metadata"]["name"]: pv for pv in found}
+    for i in range(count):
+        name = f"tandem-e2e-{i}"
+        path = VOLUMES / name
+        pv = have.get(name)
+        if pv is not None and pv["status"].get("phase") == "Released":
+            shutil.rmtree(path, ignore_errors=True)
+            unbind = '[{"op": "remove", "path": "/spec/claimRef"}]'
+            kubectl("patch", "pv", name, "--type", "json", "-p", unbind)
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, RUN_AS, RUN_AS)
+        if pv is None:
+            kubectl("apply", "-f", "-", input=json.dumps(_volume(name, path)))
+
+
+def _volume(name: str, path: Path) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name},
+        "spec": {
+            "capacity": {"storage": "5Gi"},
+            "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "hostPath": {"path": str(path), "type": "DirectoryOrCreate"},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def operator(image: None) -> Iterator[None]:
+    """The CRD (without its CEL rules: v1.21) and the chart, as docs/kubernetes.md installs
+    them, the image named as k3s's containerd holds it."""
+    kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"))
+    values = {"image": {"repository": "docker.io/library/tandem", "tag": "dev"}}
+    objects = chart_objects(values)
+    kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
+    kubectl(
+        *("-n", "tandem-system", "rollout", "status", "deployment/tandem-operator"),
+        "--timeout=300s",
+        timeout=320,
+    )
+    kubectl("create", "namespace", NS, check=False)
+    recycle_volumes()
+    yield
+    kubectl("delete", "namespace", NS, "--wait=true", timeout=300, check=False)
+
+
+def make(name: str, replicas: int = 3, **spec: Any) -> None:
+    body = {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "BrokerCluster",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "replicas": replicas,
+            "image": IMAGE,
+            # Two cores hold three brokers, the operator and k3s itself.
+            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
+            "storage": {"size": "1Gi", "retention": "Delete"},
+            "failover": {"pollSeconds": 0.4, "delaySeconds": 2.0},
+            **spec,
+        },
+    }
+    kubectl("apply", "-f", "-", input=json.dumps(body))
+
+
+# -- a confirmed publisher and a watch on the Service ------------------------------------
+
+
+class Load:
+    """A publisher with confirms through the client Service (its ClusterIP: this host
+    reaches it), reconnecting after a failover; and a watch that records the most pods the
+    Service ever selected at once."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        secret = json.loads(
+            kubectl("-n", NS, "get", "secret", f"{name}-default-user", "-o", "json")
+        )
+        user = base64.b64decode(secret["data"]["username"]).decode()
+        password = base64.b64decode(secret["data"]["password"]).decode()
+        ip = kubectl("-n", NS, "get", "svc", name, "-o", "jsonpath={.spec.clusterIP}")
+        self.params = pika.ConnectionParameters(
+            ip, 5672, "/", pika.PlainCredentials(user, password), heartbeat=10
+        )
+        self.queue = f"e2e-{name}"
+        self.confirmed: list[int] = []
+        self.longest_gap = 0.0
+        self.most_endpoints = 0
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._publish, daemon=True),
+            threading.Thread(target=self._watch, daemon=True),
+        ]
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        wait(lambda: len(self.confirmed) > 100, "the publisher under way", 120)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+    def _publish(self) -> None:
+        n, last = 0, time.monotonic()
+        while not self.stop.is_set():
+            try:
+                conn = pika.BlockingConnection(self.params)
+                ch = conn.channel()
+                ch.confirm_delivery()
+                ch.queue_declare(self.queue, durable=True)
+                while not self.stop.is_set():
+                    ch.basic_publish(
+                        "", self.queue, str(n).encode(), pika.BasicProperties(delivery_mode=2)
+                    )
+                    now = time.monotonic()
+                    self.longest_gap = max(self.longest_gap, now - last)
+                    self.confirmed.append(n)
+                    n, last = n + 1, now
+                conn.close()
+            except (pika.exceptions.AMQPError, OSError):
+                n += 1  # that one may or may not have been taken: never counted as confirmed
+                time.sleep(0.2)  # the client's reconnect delay
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            out = subprocess.run(
+                ["kubectl", "-n", NS, "get", "endpoints", self.name, "-o", "json"],
+                capture_output=True,
+                text=True,
+                env=env(),
+                timeout=30,
+            )
+            if out.returncode == 0:
+                subsets = json.loads(out.stdout).get("subsets") or []
+                ready = sum(len(s.get("addresses") or []) for s in subsets)
+                self.most_endpoints = max(self.most_endpoints, ready)
+            time.sleep(0.2)  # polling the Service's endpoints
+
+    def more(self, count: int = 100) -> None:
+        """Wait until `count` more publishes are confirmed (on whichever primary serves)."""
+        before = len(self.confirmed)
+        wait(lambda: len(self.confirmed) >= before + count, f"{count} more confirms", 120)
+
+    def check(self, operation: str) -> None:
+        """Every confirmed message is in the queue: drained, and put back for the next."""
+        received: set[int] = set()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                conn = pika.BlockingConnection(self.params)
+                ch = conn.channel()
+                while True:
+                    method, _props, body = ch.basic_get(self.queue, auto_ack=True)
+                    if method is None:
+                        break
+                    received.add(int(body))
+                conn.close()
+                break
+            except (pika.exceptions.AMQPError, OSError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        lost = sorted(set(self.confirmed) - received)
+        print(
+            f"\n{operation}: {len(self.confirmed)} confirmed, {len(lost)} lost, longest "
+            f"confirm gap {self.longest_gap:.2f}s, most Service endpoints {self.most_endpoints}"
+        )
+        assert not lost, f"{operation}: {len(lost)} confirmed messages lost: {lost[:20]}"
+        assert self.most_endpoints <= 1, f"{operation}: the Service selected two pods"
+
+
+# -- the operations ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(1800)
+def test_the_primary_pod_deleted_under_load_loses_nothing(operator: None) -> None:
+    make("orders")
+    status = running("orders", 3)
+    with Load("orders") as load:
+        kubectl("-n", NS, "delete", "pod", status["primary"], "--wait=false")
+        wait(lambda: bc("orders")["status"]["epoch"] > status["epoch"], "a failover", 120)
+        running("orders", 3)
+        load.more()  # confirms on the new primary
+    load.check("delete the primary pod")
+
+
+@pytest.mark.timeout(2400)
+def test_scaling_3_to_1_and_back_under_load_loses_nothing(operator: None) -> None:
+    make("scaled")
+    running("scaled", 3)
+    with Load("scaled") as load:
+        for replicas in (1, 3):
+            patch = json.dumps({"spec": {"replicas": replicas}})
+            kubectl("-n", NS, "patch", "bc", "scaled", "--type", "merge", "-p", patch)
+            running("scaled", replicas)
+            load.more()
+    load.check("scale 3 -> 1 -> 3")
+
+
+@pytest.mark.timeout(2400)
+def test_a_cluster_deleted_with_its_claims_and_made_again_serves(operator: None) -> None:
+    make("again")
+    running("again", 3)
+    kubectl("-n", NS, "delete", "bc", "again", "--wait=true", timeout=300)
+    wait(
+        lambda: (
+            not json.loads(
+                kubectl(
+                    "-n", NS, "get", "pvc", "-l", "app.kubernetes.io/instance=again", "-o", "json"
+                )
+            )["items"]
+        ),
+        "its claims gone",
+    )
+    recycle_volumes()
+    make("again")
+    running("again", 3)
+    with Load("again") as load:
+        load.more()  # confirms on the new incarnation
+    load.check("delete and make again, claims deleted")
