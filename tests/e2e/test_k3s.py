@@ -175,6 +175,7 @@ def operator(image: None) -> Iterator[None]:
     """The CRD (without its CEL rules: v1.21) and the chart, as docs/kubernetes.md installs
     them, the image named as k3s's containerd holds it."""
     kubectl("apply", "--validate=false", "-f", str(ROOT / "crds"))
+    kubectl("create", "namespace", "tandem-system", check=False)  # helm's --create-namespace
     values = {"image": {"repository": "docker.io/library/tandem", "tag": "dev"}}
     objects = chart_objects(values)
     kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
@@ -189,7 +190,30 @@ def operator(image: None) -> Iterator[None]:
     kubectl("delete", "namespace", NS, "--wait=true", timeout=300, check=False)
 
 
+@contextlib.contextmanager
+def cluster(name: str, replicas: int = 3, **spec: Any) -> Iterator[dict[str, Any]]:
+    """A BrokerCluster running with its members in sync (its status); deleted after, with
+    its claims (retention Delete), so that the next one finds free volumes."""
+    make(name, replicas, **spec)
+    try:
+        yield running(name, replicas)
+    finally:
+        drop(name)
+
+
+def drop(name: str) -> None:
+    kubectl("-n", NS, "delete", "bc", name, "--wait=true", timeout=300)
+    selector = f"app.kubernetes.io/instance={name}"
+    wait(
+        lambda: (
+            not json.loads(kubectl("-n", NS, "get", "pvc", "-l", selector, "-o", "json"))["items"]
+        ),
+        f"the claims of {name} gone",
+    )
+
+
 def make(name: str, replicas: int = 3, **spec: Any) -> None:
+    recycle_volumes()
     body = {
         "apiVersion": "tandem.dev/v1alpha1",
         "kind": "BrokerCluster",
@@ -243,6 +267,10 @@ class Load:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        """Stop publishing; once this returns, `confirmed` no longer grows."""
         self.stop.set()
         for t in self.threads:
             t.join(60)
@@ -321,47 +349,33 @@ class Load:
 
 @pytest.mark.timeout(1800)
 def test_the_primary_pod_deleted_under_load_loses_nothing(operator: None) -> None:
-    make("orders")
-    status = running("orders", 3)
-    with Load("orders") as load:
+    with cluster("orders") as status, Load("orders") as load:
         kubectl("-n", NS, "delete", "pod", status["primary"], "--wait=false")
         wait(lambda: bc("orders")["status"]["epoch"] > status["epoch"], "a failover", 120)
         running("orders", 3)
         load.more()  # confirms on the new primary
-    load.check("delete the primary pod")
+        load.finish()
+        load.check("delete the primary pod")
 
 
 @pytest.mark.timeout(2400)
 def test_scaling_3_to_1_and_back_under_load_loses_nothing(operator: None) -> None:
-    make("scaled")
-    running("scaled", 3)
-    with Load("scaled") as load:
+    with cluster("scaled"), Load("scaled") as load:
         for replicas in (1, 3):
             patch = json.dumps({"spec": {"replicas": replicas}})
             kubectl("-n", NS, "patch", "bc", "scaled", "--type", "merge", "-p", patch)
             running("scaled", replicas)
             load.more()
-    load.check("scale 3 -> 1 -> 3")
+        load.finish()
+        load.check("scale 3 -> 1 -> 3")
 
 
 @pytest.mark.timeout(2400)
 def test_a_cluster_deleted_with_its_claims_and_made_again_serves(operator: None) -> None:
     make("again")
     running("again", 3)
-    kubectl("-n", NS, "delete", "bc", "again", "--wait=true", timeout=300)
-    wait(
-        lambda: (
-            not json.loads(
-                kubectl(
-                    "-n", NS, "get", "pvc", "-l", "app.kubernetes.io/instance=again", "-o", "json"
-                )
-            )["items"]
-        ),
-        "its claims gone",
-    )
-    recycle_volumes()
-    make("again")
-    running("again", 3)
-    with Load("again") as load:
+    drop("again")  # the claims go, and with them the Lease
+    with cluster("again"), Load("again") as load:
         load.more()  # confirms on the new incarnation
-    load.check("delete and make again, claims deleted")
+        load.finish()
+        load.check("delete and make again, claims deleted")

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 
 from tandem.ha import ranking
-from tandem.ha.model import Liveness, Member, Role, Settings, View
+from tandem.ha.model import ElectionRecord, Liveness, Member, Role, Settings, View
 
 
 class Action(enum.Enum):
@@ -254,21 +254,33 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
                 isr=record.isr,
                 tracking=record.tracking | {m.node},
             )
-    if record.isr_min != settings.isr_min:
+    target = _isr_min(record, settings)
+    if target != record.isr_min:
         was = "none" if record.isr_min is None else str(record.isr_min)
-        blocked = (
-            f"; with {len(record.isr)} in sync the primary confirms nothing until more catch up"
-            if len(record.isr) < settings.isr_min
+        on_the_way = (
+            f", on the way to {settings.isr_min} as members come in sync"
+            if target < settings.isr_min
             else ""
         )
         return Decision(
             Action.SET_MIN,
-            f"the ISR minimum is {settings.isr_min} (the record says {was}){blocked}",
+            f"the ISR minimum is {target} (the record says {was}){on_the_way}",
             epoch=record.epoch,
             isr=record.isr,
             tracking=record.tracking,
         )
     return Decision(Action.HOLD, f"primary {primary.node} serves; {record.describe()}")
+
+
+def _isr_min(record: ElectionRecord, settings: Settings) -> int:
+    """The minimum the record should hold. A lower setting applies at once (a scale-down, an
+    edit). A higher one rises only as far as the ISR already reaches, so that adding members
+    or raising the setting never blocks publishers while the new members catch up; it never
+    falls below what the record holds, so it never weakens a promise already made."""
+    wanted, now = settings.isr_min, record.isr_min
+    if now is None or wanted <= now:
+        return wanted
+    return max(now, min(wanted, len(record.isr)))
 
 
 def _out_of_sync(m: Member | None, settings: Settings) -> str | None:
