@@ -179,6 +179,8 @@ def operator(image: None) -> Iterator[None]:
     values = {"image": {"repository": "docker.io/library/tandem", "tag": "dev"}}
     objects = chart_objects(values)
     kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objects))
+    # The tag stays tandem:dev: an operator already running from an earlier build restarts.
+    kubectl("-n", "tandem-system", "rollout", "restart", "deployment/tandem-operator")
     kubectl(
         *("-n", "tandem-system", "rollout", "status", "deployment/tandem-operator"),
         "--timeout=300s",
