@@ -83,6 +83,7 @@ async def reconcile(
     name: str | None,
     namespace: str | None,
     memo: kopf.Memo,
+    reason: str = "",
     **_: Any,
 ) -> None:
     name, namespace = _where(name, namespace)
@@ -104,7 +105,8 @@ async def reconcile(
     if loop is not None:
         loop.configure(parsed)  # failover settings and the ISR minimum, live
     claims = await kube.list("v1", "PersistentVolumeClaim", namespace, builders.selector(name))
-    if not claims:
+    if not claims and reason == "create":
+        # Only when the BrokerCluster is made: a running cluster's Lease is its own.
         await _forget_an_old_incarnation(kube, name, namespace)
     for obj in objects:
         if obj["metadata"]["name"] == f"{name}-cluster-key":
