@@ -148,7 +148,11 @@ EXAMPLES: list[list[tuple[Any, ...]]] = [
         ("declare_exchange", "x0", "headers", True, {}),
         ("bind", "q0", "x0", "", {"x-match": "any", "k": b"\x01", "d": surface.DECIMAL("2.5")}),
         ("publish", "x0", "", b"m", {"delivery_mode": 2, "headers": {"k": b"\x01"}}, False),
-    ]
+    ],
+    [  # a durable server-named queue with a persistent message (issue 14, problem 1)
+        ("declare_server_named", "q1", True),
+        ("publish", "", "q1", b"kept", {"delivery_mode": 2}, False),
+    ],
 ]
 
 

@@ -36,6 +36,17 @@ def test_a_codec_that_drops_a_field_type_is_caught(
         harness.run(tmp_path, 20, seed=0, shrink=False)
 
 
+@pytest.mark.timeout(300)
+def test_an_apply_that_checks_again_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second mutation check: apply re-runs a client's check (the reserved-prefix one),
+    so a restart refuses the durable server-named queue the primary made; caught."""
+    monkeypatch.setenv("TANDEM_TEST_FAULT_APPLY_CHECKS", "1")
+    with pytest.raises(harness.Differential, match="gone"):
+        harness.run(tmp_path, 20, seed=0, shrink=False)
+
+
 CLUSTER_COUNT = int(os.environ.get("DIFFERENTIAL_CLUSTER_COUNT", "40"))
 
 

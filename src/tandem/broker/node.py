@@ -372,6 +372,9 @@ class Node:
         if os.environ.get("TANDEM_TEST_FAULT_BYTES_AS_TEXT"):
             log.warning("TEST FAULT: records write byte strings as text")
             records.BYTES_AS_TEXT = True
+        if os.environ.get("TANDEM_TEST_FAULT_APPLY_CHECKS"):
+            apply.CHECK_AGAIN = True
+            log.warning("TEST FAULT: apply checks reserved queue names again")
         if os.environ.get("TANDEM_TEST_FAULT_NOT_APPLIED"):
             apply.UNAPPLIABLE = os.environ["TANDEM_TEST_FAULT_NOT_APPLIED"]
             log.warning("TEST FAULT: records declaring %s do not apply", apply.UNAPPLIABLE)

@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 # A test-only fault (the divergence test): a declaration record of this name does not apply,
 # as if apply had a bug. Set by TANDEM_TEST_FAULT_NOT_APPLIED=name; never in use.
 UNAPPLIABLE: str | None = None
+# A test-only fault (the differential test's second mutation check): apply runs a client's
+# check again, the reserved-prefix one that once kept a node from starting. Set by
+# TANDEM_TEST_FAULT_APPLY_CHECKS; never in use.
+CHECK_AGAIN = False
 
 
 class NotApplied(ValueError):
@@ -159,6 +163,8 @@ def define(vh: VirtualHost, op: str, body: dict[str, Any]) -> None:
         if ex is not None:
             vh.remove_exchange(ex)
     elif op == "queue.declare":
+        if CHECK_AGAIN and body["name"].startswith("amq.") and body["name"] not in vh.queues:
+            raise ValueError(f"queue name '{body['name']}' contains reserved prefix 'amq.*'")
         vh.create_queue(
             body["name"],
             durable=body.get("durable", True),
