@@ -202,6 +202,13 @@ def _bad_request(text: str) -> web.HTTPBadRequest:
     return web.HTTPBadRequest(text=json.dumps({"error": text}), content_type="application/json")
 
 
+def bearer(request: web.Request, secret: str | bytes) -> bool:
+    """The request carries `Authorization: Bearer <secret>` (compared in constant time)."""
+    raw = secret.decode() if isinstance(secret, bytes) else secret
+    given = request.headers.get("Authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {raw}".encode())
+
+
 def make_app(node: Node) -> web.Application:
     registry = CollectorRegistry()
     registry.register(NodeCollector(node))
@@ -210,11 +217,6 @@ def make_app(node: Node) -> web.Application:
     token = node.cfg.admin_token
 
     cluster_key = node.cluster_key
-
-    def bearer(request: web.Request, secret: str | bytes) -> bool:
-        raw = secret.decode() if isinstance(secret, bytes) else secret
-        given = request.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {raw}".encode())
 
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:

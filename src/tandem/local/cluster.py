@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -29,6 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tandem.broker.admin import bearer
 from tandem.broker.ha_http import Endpoint, HttpActuator, HttpObserver, WakeableClock
 from tandem.broker.store.lock import DataDirLock
 from tandem.errors import StartError
@@ -334,17 +334,15 @@ class LocalCluster:
             theirs; everything forwarded carries the client's Authorization to the primary,
             which checks it."""
             token = self.admin_token
-            if token and request.path.startswith("/cluster"):
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                    return web.json_response(
-                        {
-                            "error": "a valid bearer token is required: send 'Authorization: "
-                            "Bearer <token>' (tandem cluster status: --token or "
-                            "TANDEM_ADMIN_TOKEN)"
-                        },
-                        status=401,
-                    )
+            if token and request.path.startswith("/cluster") and not bearer(request, token):
+                return web.json_response(
+                    {
+                        "error": "a valid bearer token is required: send 'Authorization: "
+                        "Bearer <token>' (tandem cluster status: --token or "
+                        "TANDEM_ADMIN_TOKEN)"
+                    },
+                    status=401,
+                )
             return await handler(request)
 
         app = web.Application(middlewares=[auth])
