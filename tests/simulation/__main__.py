@@ -18,8 +18,11 @@ def main() -> int:
     ap.add_argument(
         "--messages", action="store_true", help="logs as the broker's: catch-up by difference"
     )
+    ap.add_argument("--scale", action="store_true", help="scale-downs and -ups among the faults")
     args = ap.parse_args()
-    world = World(args.seed, args.nodes, args.isr_min, args.steps, messages=args.messages)
+    world = World(
+        args.seed, args.nodes, args.isr_min, args.steps, messages=args.messages, scale=args.scale
+    )
     try:
         world.run()
     except Violation as exc:

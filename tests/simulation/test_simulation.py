@@ -95,3 +95,33 @@ def test_message_ids_by_offset_alone_are_caught(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(Violation, match="confirmed message lost"):
         for seed in range(1000):
             World(seed, messages=True).run()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("nodes", "isr_min", "schedules"), [(3, 2, 800), (5, 3, 400), (3, 1, 300)])
+def test_scaling_down_and_up_keeps_every_rule(nodes: int, isr_min: int, schedules: int) -> None:
+    """Issue 15: scale-down decided in `tandem.ha` (the primary hands over, the leaving
+    members leave the ISR, never below the minimum for the members that stay), and scale-up
+    (the minimum rises only as the ISR does), among the faults."""
+    scaled = {"down": 0, "up": 0}
+    for seed in range(schedules):
+        world = World(seed, nodes, isr_min, scale=True)
+        try:
+            world.run()
+        except Violation as exc:
+            replay = f"python -m tests.simulation --seed {seed} --nodes {nodes} --scale"
+            pytest.fail(f"seed {seed}: {exc}\nreplay with: {replay} --trace", pytrace=False)
+        for way, count in world.scaled.items():
+            scaled[way] += count
+    assert scaled["down"] >= schedules and scaled["up"] >= schedules // 2, scaled
+
+
+def test_a_scale_down_that_keeps_the_old_minimum_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 15's problem 3: members gone, the minimum left as it was, and publishers wait
+    forever. A record minimum that never falls is caught as a cluster that cannot recover."""
+    from tandem.ha import decide
+
+    monkeypatch.setattr(decide, "isr_min", lambda record, settings: record.isr_min or 2)
+    with pytest.raises(Violation, match="no recovery"):
+        for seed in range(300):
+            World(seed, 3, 2, scale=True).run()

@@ -109,6 +109,9 @@ class World:
     steps: int = 300
     faults: bool = True
     messages: bool = False  # each log a MessageLog, caught up by difference
+    # Scale-downs and scale-ups among the faults: the controller is told which members leave
+    # (as the operator tells it), and they go once the record names none of them.
+    scale: bool = False
     trace: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -127,6 +130,9 @@ class World:
         # Members whose disk was lost, until the record has dropped them and named them again.
         # At most isr_min - 1 at once: the promise covers no more.
         self.wiped: dict[str, bool] = {}  # node -> has left the record's ISR since
+        self.all_names = list(self.names)
+        self.scaled = {"down": 0, "up": 0}
+        self.parked: dict[str, core.Replica] = {}  # members scaled down, with their volumes
         self.controller = Controller(
             "sim",
             self,
@@ -252,7 +258,7 @@ class World:
         return [n for n in self.names if self.state[n] == "up"]
 
     def deliver(self, lossy: bool) -> None:
-        ready = [i for i, m in enumerate(self.net) if self.state[m.dest] != "paused"]
+        ready = [i for i, m in enumerate(self.net) if self.state.get(m.dest) != "paused"]
         if not ready:
             return
         # Under faults any message in flight may come next (reordering, delay); once the
@@ -266,8 +272,8 @@ class World:
             return
         if not (lossy and roll < 0.15):  # else: delivered and kept, so it comes twice
             del self.net[i]
-        if self.state[msg.dest] == "crashed":
-            return
+        if self.state.get(msg.dest, "crashed") == "crashed":
+            return  # crashed, or gone in a scale-down
         r = self.replicas[msg.dest]
         self.log(f"{msg.dest} <- {msg.body}")
         if isinstance(msg.body, core.Fence | core.Promote | core.Follow | core.Inform):
@@ -289,6 +295,11 @@ class World:
             self.sends(self.replicas[self.rng.choice(up)].tick())
 
     def fault(self) -> None:
+        if self.scale and not self.controller.leaving and self.rng.random() < 0.15:
+            size = self.rng.randint(1, len(self.all_names))
+            if size != len(self.names):
+                self.scale_to(size)
+            return
         n = self.rng.choice(self.names)
         kind = self.rng.choice(["crash", "pause", "heal", "heal", "wipe"])
         if kind == "wipe" and self.state[n] != "paused" and self.may_lose(n):
@@ -306,11 +317,54 @@ class World:
         elif kind == "heal":
             self.heal(n)
 
+    # -- scaling, as the operator does it --
+
+    def least(self, members: int) -> int:
+        """The ISR minimum for a size, as the BrokerCluster spec gives it."""
+        return min(self.isr_min, members)
+
+    def scale_to(self, size: int) -> None:
+        leaving = frozenset(self.names[size:])
+        if leaving:
+            self.controller.leaving = leaving
+            self.log(f"scale down to {size}: {', '.join(sorted(leaving))} to leave")
+        else:
+            self.controller.leaving = frozenset()  # a pending scale-down is superseded
+            for n in self.all_names[len(self.names) : size]:
+                self.names.append(n)
+                self.state[n] = "up"
+                if n in self.parked:  # back on its kept volume, as after a restart
+                    self.incarnations += 1
+                    self.replicas[n] = self.parked.pop(n)
+                    self.replicas[n].restart(self.incarnations)
+                else:
+                    self.replicas[n] = self.new_replica(n)
+            self.scaled["up"] += 1
+            self.log(f"scale up to {size}")
+        self.controller.settings = replace(self.controller.settings, isr_min=self.least(size))
+
+    def scaling(self) -> None:
+        """The leaving members go once the record names none of them (the operator then
+        applies the smaller StatefulSet)."""
+        leaving = self.controller.leaving
+        if not leaving or self.record.holder in leaving or self.record.waited & leaving:
+            return
+        for n in sorted(leaving):
+            self.crash(n)
+            # Its volume is kept (a StatefulSet keeps its claims): a scale-up brings it back.
+            self.parked[n] = self.replicas.pop(n)
+            del self.state[n]
+            self.paused_since.pop(n, None)
+            self.names.remove(n)
+        self.controller.leaving = frozenset()
+        self.scaled["down"] += 1
+        self.log(f"{', '.join(sorted(leaving))} left; the record: {self.record.describe()}")
+
     def may_lose(self, n: str) -> bool:
         """A lost disk is a failure the promise covers only while another ISR member holds
         everything: at most isr_min - 1 at once, and never the last one the record names."""
         others = self.record.isr - set(self.wiped) - {n}
-        return len(self.wiped) < self.isr_min - 1 and bool(others)
+        return len(self.wiped) < self.floor() - 1 and bool(others)
 
     def crash(self, n: str) -> None:
         """Its process dies: messages on their way to it are lost, and its peers see their
@@ -347,7 +401,10 @@ class World:
             for _ in range(self.rng.randint(1, 4)):  # the network outpaces the writers
                 self.deliver(lossy=faults)
         elif roll < 0.6:
-            self.publish()
+            # Once the faults stop, writers feel the network's backpressure (as over TCP), so
+            # that followers can catch up with a primary that confirms alone.
+            if faults or len(self.net) < 4 * len(self.names):
+                self.publish()
         elif roll < 0.7:
             self.tick()
         elif roll < 0.82:
@@ -356,9 +413,17 @@ class World:
             self.now += self.rng.choice([0.1, 0.3, 1.2])
         elif faults:
             self.fault()
+        self.scaling()
         self.check()
 
     # -- the rules --
+
+    def floor(self) -> int:
+        """The promise in force: the record's ISR minimum. A scale-down lowers it (the user
+        asked for fewer copies); it rises after a scale-up only as members come in sync. It
+        is never below what the settings ask for the members that stay."""
+        least = self.record.isr_min
+        return self.isr_min if least is None else least
 
     def check(self) -> None:
         for n, r in self.replicas.items():
@@ -382,13 +447,13 @@ class World:
             # up and been named in the ISR again).
             copies = sum(
                 1
-                for r in self.replicas.values()
+                for r in [*self.replicas.values(), *self.parked.values()]
                 if r.log.whole and len(r.log) >= offset and r.log[offset - 1] == epoch
             )
-            if copies + len(self.wiped) < self.isr_min:
+            if copies + len(self.wiped) < self.floor():
                 raise Violation(
                     f"rule 3: confirmed record {epoch}:{offset} is on {copies} disk(s), "
-                    f"fewer than the ISR minimum {self.isr_min}"
+                    f"fewer than the ISR minimum {self.floor()}"
                 )
         for n, left in list(self.wiped.items()):
             if n not in self.record.isr:
@@ -441,12 +506,16 @@ class World:
         for n in self.names:
             self.heal(n)
         self.log("faults stop")
+        if self.scale and len(self.names) < len(self.all_names):
+            self.scale_to(len(self.all_names))  # back to full size, to end as it began
         target = None
         for _ in range(4000):
             self.step(faults=False)
             primary = self.replicas.get(self.record.holder or "")
             settled = (
-                primary is not None
+                not self.controller.leaving
+                and self.record.isr_min in (None, self.least(len(self.names)))
+                and primary is not None
                 and primary.role is Role.PRIMARY
                 and self.record.isr == frozenset(self.names)
                 and primary.applied_version == self.record.version

@@ -33,8 +33,11 @@ def parse_record(text: str) -> ElectionRecord:
     )
 
 
+MAINTENANCE = ("leaving", "stopping", "stale")
+
+
 def parse_member(text: str, holder: str | None) -> Member:
-    name_role, epoch, pos, *rest = text.split()
+    name_role, epoch, pos, *rest = (w for w in text.split() if w not in MAINTENANCE)
     name, role = name_role.split("=")
     e, o = pos.removeprefix("@").split(":")
     fields: dict[str, object] = {"following": holder}
@@ -72,32 +75,51 @@ def parse_member(text: str, holder: str | None) -> Member:
     )
 
 
-def table() -> list[tuple[str, View, str]]:
+def table(prefix: str = "") -> list[tuple[str, View, str]]:
+    """The rows numbered `prefix` and digits: the decisions (no prefix) or the routes (r)."""
     rows = []
     for line in DOC.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 5 or not cells[0].isdigit():
+        if len(cells) != 5 or not cells[0].startswith(prefix):
+            continue
+        if not cells[0].removeprefix(prefix).isdigit():
             continue
         number, situation, record_text, members_text, expected = cells
         record = parse_record(record_text)
         switchover = None
         members = []
+        asked: dict[str, set[str]] = {word: set() for word in MAINTENANCE}
         for part in members_text.split(";"):
             part = part.strip()
             if part.startswith("switchover="):
                 switchover = part.split("=")[1]
             else:
                 members.append(parse_member(part, record.holder))
-        view = View(record, tuple(members), switchover)
+                for word in set(part.split()) & set(MAINTENANCE):
+                    asked[word].add(members[-1].node)
+        view = View(
+            record,
+            tuple(members),
+            switchover,
+            leaving=frozenset(asked["leaving"]),
+            stopping=frozenset(asked["stopping"]),
+            stale=frozenset(asked["stale"]),
+        )
         rows.append((f"{number}: {situation}", view, expected))
     return rows
 
 
 ROWS = table()
+ROUTES = table("r")
 
 
-def test_the_doc_has_the_table() -> None:
-    assert len(ROWS) >= 33
+def test_the_doc_has_the_tables() -> None:
+    assert len(ROWS) >= 61 and len(ROUTES) >= 7
+
+
+@pytest.mark.parametrize(("case", "view", "expected"), ROUTES, ids=[r[0][:60] for r in ROUTES])
+def test_route_table(case: str, view: View, expected: str) -> None:
+    assert (decide.route(view) or "-") == expected
 
 
 def render(d: decide.Decision) -> str:
@@ -111,6 +133,8 @@ def render(d: decide.Decision) -> str:
             return f"promote {d.target} @{d.epoch} isr={isr}"
         case Action.FOLLOW:
             return f"follow {nodes} → {d.target}"
+        case Action.RESTART:
+            return f"restart {d.target}"
         case Action.SET_MIN:
             return "set_min"
         case Action.SHRINK_ISR | Action.GROW_ISR:
@@ -186,7 +210,12 @@ def views(draw: st.DrawFn) -> View:
             )
         )
     switchover = None if settled else draw(st.none() | st.sampled_from(nodes))
-    return View(record, tuple(members), switchover)
+    some = st.frozensets(st.sampled_from(nodes), max_size=2)
+    # A third of the views carry maintenance: a scale-down, stopping pods, a rolling upgrade.
+    leaving, stopping, stale = (
+        draw(some) if draw(st.integers(0, 2)) == 0 else frozenset() for _ in range(3)
+    )
+    return View(record, tuple(members), switchover, leaving, stopping, stale)
 
 
 @settings(max_examples=1500, deadline=None)
@@ -207,20 +236,29 @@ def test_safety_properties(view: View, isr_min: int) -> None:
         assert d.epoch == record.epoch + 1
         # Positions are compared only once every answering candidate is fenced ...
         assert all(m.epoch >= d.epoch for m in answering_isr)
-        # ... and the most up-to-date one wins unless a switchover named another.
+        # ... and the most up-to-date one wins unless a switchover named another, or the
+        # better ones are about to go (leaving, stopping, on an old revision).
+        going = view.leaving | view.stopping | view.stale
         if view.switchover_to is None:
-            assert all(target.position >= m.position for m in answering_isr)
+            rivals = [m for m in answering_isr if m.node not in going or target.node in going]
+            assert all(target.position >= m.position for m in rivals)
         assert d.isr == frozenset(m.node for m in answering_isr)
         assert d.target in d.isr
     if d.action is Action.FENCE:
         assert d.epoch == record.epoch + 1
         assert d.nodes and d.nodes <= record.isr
     if d.action is Action.SHRINK_ISR:
-        (dropped,) = record.isr - d.isr
-        gone = view.member(dropped)
-        lost_store = gone is not None and gone.answering and gone.epoch < record.epoch
-        assert len(d.isr) >= isr_min or lost_store  # only a member without its store goes
-        assert record.holder in d.isr and d.tracking == record.tracking
+        dropped = record.isr - d.isr
+        if len(dropped) > 1 or d.tracking != record.tracking:
+            # a scale-down: only leaving members go, never below the minimum
+            assert dropped | (record.tracking - d.tracking) <= view.leaving
+            assert len(d.isr) >= isr_min
+        else:
+            gone = view.member(next(iter(dropped)))
+            lost_store = gone is not None and gone.answering and gone.epoch < record.epoch
+            lost_store |= dropped <= view.leaving  # or a leaving one, as above
+            assert len(d.isr) >= isr_min or lost_store  # only a member without its store goes
+        assert record.holder in d.isr and d.tracking <= record.tracking
     if d.action is Action.GROW_ISR:
         # Rule 4: only a tracked member the primary (having applied this very record) waits
         # for, and that holds all that is confirmed.
@@ -233,6 +271,13 @@ def test_safety_properties(view: View, isr_min: int) -> None:
     if d.action in (Action.TRACK, Action.UNTRACK):
         assert d.isr == record.isr and d.tracking ^ record.tracking
         assert not d.tracking & d.isr
+    if d.action is Action.TRACK:
+        assert not (d.tracking - record.tracking) & view.leaving
+    if d.action is Action.RESTART:
+        # one stale backup, only while every member serves in sync and none is stopping
+        assert d.target in view.stale and d.target != record.holder
+        assert all(m.answering for m in view.members) and not view.stopping
+        assert record.isr == frozenset(m.node for m in view.members)
     primary = view.member(record.holder)
     serving = (
         primary is not None
@@ -241,8 +286,14 @@ def test_safety_properties(view: View, isr_min: int) -> None:
         and primary.epoch == record.epoch
     )
     no_failover_started = all(m.epoch <= record.epoch for m in view.members)
-    if serving and no_failover_started and view.switchover_to in (None, record.holder):
+    staying = record.holder not in view.leaving | view.stopping | view.stale
+    asked = view.switchover_to in (None, record.holder)
+    if serving and no_failover_started and asked and staying:
         assert d.action not in (Action.FENCE, Action.PROMOTE)  # a healthy primary stays
+    if decide.route(view) is not None:
+        # clients go only to the record's holder, never while a failover is under way
+        assert decide.route(view) == record.holder and no_failover_started
+        assert primary is not None and primary.liveness is not Liveness.DOWN
 
 
 def test_a_record_keeps_its_primary_in_the_isr() -> None:

@@ -26,6 +26,7 @@ class Action(enum.Enum):
     GROW_ISR = "grow_isr"  # name a tracked member in the ISR once the primary waits for it
     SET_MIN = "set_min"  # record the ISR minimum the settings give (changed, or not yet there)
     REFUSE = "refuse"  # an asked-for switchover that would be unsafe
+    RESTART = "restart"  # a rolling upgrade's next step: restart `target` on the new revision
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,8 @@ class Decision:
     reason: str
     epoch: int = 0  # FENCE, PROMOTE: the new epoch; FOLLOW, SHRINK, GROW: the current one
     nodes: frozenset[str] = frozenset()  # FENCE, FOLLOW: the members it applies to
-    target: str | None = None  # PROMOTE: the new primary; FOLLOW: the primary to follow
+    # PROMOTE: the new primary; FOLLOW: the primary to follow; RESTART: the member to restart
+    target: str | None = None
     # PROMOTE and the record changes (SHRINK_ISR, TRACK, UNTRACK, GROW_ISR): what to record.
     isr: frozenset[str] = frozenset()
     tracking: frozenset[str] = frozenset()
@@ -65,6 +67,22 @@ def decide(view: View, settings: Settings) -> Decision:
     return _failover(view, None, _why_no_primary(view))
 
 
+def route(view: View) -> str | None:
+    """The member that receives clients: the record's holder while it is primary in the
+    record's epoch and no member has adopted a later one. Briefly silent, it keeps them (they
+    wait, as they would for any slow broker) until the controller fences it. None while there
+    is no such member (a failover under way): new clients are held, not sent to wait."""
+    record = view.record
+    holder = view.member(record.holder)
+    if holder is None or holder.liveness is Liveness.DOWN:
+        return None
+    if holder.role is not Role.PRIMARY or holder.epoch != record.epoch:
+        return None
+    if any(m.epoch > record.epoch for m in view.members):
+        return None  # fenced members refuse the holder's records: it confirms nothing more
+    return holder.node
+
+
 def _serves(m: Member, epoch: int) -> bool:
     return m.answering and m.role is Role.PRIMARY and m.epoch == epoch
 
@@ -86,7 +104,7 @@ def _failover(view: View, target: str | None, why: str = "") -> Decision:
     epoch = record.epoch + 1
     isr = ",".join(sorted(record.isr)) or "-"
     if target is not None:
-        why = f"switchover to {target} asked for"
+        why = why or f"switchover to {target} asked for"
         t = view.member(target)
         if target not in record.isr:
             return Decision(Action.REFUSE, f"{why}, but {target} is not in sync (ISR {isr})")
@@ -124,12 +142,23 @@ def _failover(view: View, target: str | None, why: str = "") -> Decision:
             nodes=unfenced,
         )
     choice = view.member(target) if target is not None else None
-    choice = choice or ranking.best(candidates, record.holder)
+    # Any candidate holds every confirmed record; one that is not about to go (leaving,
+    # stopping, on an old revision) is preferred, so that a hand-over completes the same way
+    # whichever turn, or whichever controller, takes its second step.
+    going = _going(view)
+    staying = [m for m in candidates if m.node not in going] or candidates
+    choice = choice or ranking.best(staying, record.holder)
     assert choice is not None
+    if target is not None:
+        which = " (asked for)"
+    elif len(staying) < len(candidates):
+        which = f", the highest of those staying ({', '.join(sorted(going))} about to go)"
+    else:
+        which = ", the highest"
     return Decision(
         Action.PROMOTE,
         f"{why}; {choice.node} is the fenced in-sync member with position {choice.position}"
-        + (" (asked for)" if target is not None else ", the highest"),
+        + which,
         epoch=epoch,
         target=choice.node,
         isr=frozenset(m.node for m in candidates),
@@ -196,6 +225,14 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
             nodes=strays,
             target=primary.node,
         )
+    if primary.node in view.leaving | view.stopping:
+        # The primary is leaving (a scale-down) or stopping (a pod deleted, a node drained):
+        # it hands over to a member in sync before it goes. (On an old revision only, it is
+        # the rolling upgrade's last step: see `_roll`.)
+        how = "leaving (a scale-down)" if primary.node in view.leaving else "stopping"
+        handing = _hand_over(view, primary, how)
+        if handing is not None:
+            return handing
     for node in sorted(record.isr - {primary.node}):
         problem = _out_of_sync(view.member(node), settings)
         if problem is None:
@@ -214,6 +251,24 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
             epoch=record.epoch,
             isr=smaller,
             tracking=record.tracking,
+        )
+    leaving = (record.isr | record.tracking) & (view.leaving - {primary.node})
+    waiting = ""  # why a scale-down waits: the members that stay must come in sync first
+    if leaving:
+        names = ", ".join(sorted(leaving))
+        staying = record.isr - leaving
+        if len(staying) < settings.isr_min:
+            waiting = (
+                f"scaling down: {names} would leave the ISR {_names(record.isr)} below its "
+                f"minimum of {settings.isr_min}; waiting for the members that stay to be in sync"
+            )
+    if leaving and not waiting:
+        return Decision(
+            Action.SHRINK_ISR,
+            f"scaling down: {names} leaving the ISR before they go",
+            epoch=record.epoch,
+            isr=staying,
+            tracking=record.tracking - leaving,
         )
     for node in sorted(record.tracking):
         problem = _out_of_sync(view.member(node), settings)
@@ -246,7 +301,7 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
                 tracking=record.tracking - {node},
             )
     for m in view.members:
-        if m.node not in record.waited and m.answering and m.caught_up:
+        if m.node not in record.waited | view.leaving and m.answering and m.caught_up:
             return Decision(
                 Action.TRACK,
                 f"{m.node} has acked all that is confirmed; the primary is to wait for it",
@@ -254,7 +309,7 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
                 isr=record.isr,
                 tracking=record.tracking | {m.node},
             )
-    target = _isr_min(record, settings)
+    target = isr_min(record, settings)
     if target != record.isr_min:
         was = "none" if record.isr_min is None else str(record.isr_min)
         on_the_way = (
@@ -269,10 +324,75 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
             isr=record.isr,
             tracking=record.tracking,
         )
+    if waiting:
+        return Decision(Action.HOLD, waiting, epoch=record.epoch)
+    if view.stale:
+        return _roll(view, primary)
     return Decision(Action.HOLD, f"primary {primary.node} serves; {record.describe()}")
 
 
-def _isr_min(record: ElectionRecord, settings: Settings) -> int:
+def _going(view: View) -> frozenset[str]:
+    return view.leaving | view.stopping | view.stale
+
+
+def _names(nodes: frozenset[str]) -> str:
+    return ",".join(sorted(nodes)) or "-"
+
+
+def _hand_over(view: View, primary: Member, how: str) -> Decision | None:
+    """A switchover away from a primary that is about to go, to the in-sync member that stays
+    with the highest position; None when no such member answers (it goes without one)."""
+    record = view.record
+    going = _going(view)
+    ready = [
+        m
+        for m in view.members
+        if m.node in record.isr - going and m.answering and not _lost_store(m, record.epoch)
+    ]
+    choice = ranking.best(ready)
+    if choice is None:
+        return None
+    return _failover(
+        view,
+        choice.node,
+        f"primary {primary.node} is {how}: switching over to {choice.node}, in sync and staying",
+    )
+
+
+def _roll(view: View, primary: Member) -> Decision:
+    """A rolling upgrade, one member at a time, only while the whole cluster serves in sync:
+    the backups first (lowest name first), then a switchover away from the primary, which is
+    then a backup to restart."""
+    record = view.record
+    stale = ", ".join(sorted(view.stale))
+    everyone = frozenset(m.node for m in view.members)
+    busy = sorted(m.node for m in view.members if not m.answering) + sorted(view.stopping)
+    if busy:
+        why = f"{', '.join(busy)} not running yet"
+    elif record.isr != everyone:
+        why = f"not every member is in sync (ISR {_names(record.isr)})"
+    else:
+        backups = sorted(view.stale - {primary.node})
+        if backups:
+            return Decision(
+                Action.RESTART,
+                f"rolling upgrade: restarting backup {backups[0]} on the new revision "
+                f"(old: {stale})",
+                epoch=record.epoch,
+                target=backups[0],
+            )
+        handing = _hand_over(view, primary, "the last member on the old revision")
+        if handing is not None:
+            return handing
+        why = "no member on the new revision to hand over to"
+    return Decision(
+        Action.HOLD,
+        f"rolling upgrade waits: {why} (old revision: {stale}); {record.describe()}",
+        epoch=record.epoch,
+    )
+
+
+def isr_min(record: ElectionRecord, settings: Settings) -> int:
     """The minimum the record should hold. A lower setting applies at once (a scale-down, an
     edit). A higher one rises only as far as the ISR already reaches, so that adding members
     or raising the setting never blocks publishers while the new members catch up; it never

@@ -14,7 +14,7 @@ from typing import Protocol
 from tandem.ha import decide as decide_mod
 from tandem.ha.decide import Action, Decision
 from tandem.ha.model import ElectionRecord, Settings, View
-from tandem.ha.ports import Actuator, Clock, ElectionStore, Observer, Unavailable
+from tandem.ha.ports import Actuator, Clock, ElectionStore, Observer, Restarter, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,12 @@ class Controller:
     # Paused (maintenance): decisions are made and logged, the record is renewed and the ISR
     # kept, but no member is fenced, promoted or repointed.
     paused: bool = False
+    # Maintenance asked for by the platform (View's fields of the same names): set by the
+    # operator from its pods and StatefulSet; decide orders it.
+    leaving: frozenset[str] = frozenset()
+    stopping: frozenset[str] = frozenset()
+    stale: frozenset[str] = frozenset()
+    restarter: Restarter | None = None  # where RESTART is carried out (the operator's pods)
     last: Decision | None = None
     # The last decision that changed the record or a member (not HOLD or WAIT): why the
     # ISR and the primary are what they are, for `cluster status`.
@@ -50,7 +56,7 @@ class Controller:
         """Observe once, decide once, act once."""
         record = await self.store.read()
         members = await self.observer.observe(record)
-        view = View(record, members, self.switchover_to)
+        view = View(record, members, self.switchover_to, self.leaving, self.stopping, self.stale)
         decision = decide_mod.decide(view, self.settings)
         if decision != self.last or decision.action not in (Action.HOLD, Action.WAIT):
             level = logging.DEBUG if decision.action is Action.HOLD else logging.INFO
@@ -62,7 +68,12 @@ class Controller:
                 decision.action.value,
                 decision.reason,
             )
-        held = self.paused and decision.action in (Action.FENCE, Action.PROMOTE, Action.FOLLOW)
+        held = self.paused and decision.action in (
+            Action.FENCE,
+            Action.PROMOTE,
+            Action.FOLLOW,
+            Action.RESTART,
+        )
         if held and decision != self.last:
             log.warning("cluster=%s is paused: not acting on it", self.cluster)
         self.last = decision
@@ -110,12 +121,16 @@ class Controller:
                 await a.set_isr(record.holder, stored, d.reason)
         elif d.action is Action.REFUSE:
             self.switchover_to = None
+        elif d.action is Action.RESTART and self.restarter is not None:
+            assert d.target is not None
+            await self.restarter.restart(d.target, d.reason)
 
     async def _write(
         self, old: ElectionRecord, new: ElectionRecord, d: Decision
     ) -> ElectionRecord | None:
-        """Compare-and-set; every record written carries the settings' ISR minimum."""
-        new = replace(new, isr_min=self.settings.isr_min)
+        """Compare-and-set; every record written carries the ISR minimum the settings give,
+        as far as its ISR reaches (`decide.isr_min`)."""
+        new = replace(new, isr_min=decide_mod.isr_min(new, self.settings))
         stored = await self.store.compare_and_set(old, new)
         if stored is None:
             log.warning(
@@ -136,5 +151,5 @@ class Controller:
             except Exception:
                 log.exception("cluster=%s %s", self.cluster, BUG)
                 d = None
-            if d is None or d.action in (Action.HOLD, Action.WAIT, Action.REFUSE):
+            if d is None or d.action in (Action.HOLD, Action.WAIT, Action.REFUSE, Action.RESTART):
                 await self.clock.sleep(self.poll_interval)

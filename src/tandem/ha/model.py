@@ -149,6 +149,13 @@ class View:
     record: ElectionRecord
     members: tuple[Member, ...]
     switchover_to: str | None = None  # a planned switchover asked for (`cluster switchover`)
+    # Maintenance the platform asks for; decide orders it safely. `leaving`: members a
+    # scale-down removes (out of the ISR first, never below the minimum). `stopping`: members
+    # being stopped (a pod deleted, a node drained); the primary hands over first. `stale`:
+    # members on an old revision, restarted one at a time, backups first, the primary last.
+    leaving: frozenset[str] = frozenset()
+    stopping: frozenset[str] = frozenset()
+    stale: frozenset[str] = frozenset()
     by_node: dict[str, Member] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

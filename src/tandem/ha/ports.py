@@ -50,6 +50,12 @@ class Actuator(Protocol):
         ...
 
 
+class Restarter(Protocol):
+    async def restart(self, node: str, why: str) -> None:
+        """Restart `node` on the platform's new revision (a rolling upgrade's step)."""
+        ...
+
+
 class Clock(Protocol):
     def monotonic(self) -> float: ...
 

@@ -32,8 +32,9 @@ from tandem.broker.admin import bearer
 from tandem.broker.ha_http import Endpoint, HttpActuator, HttpObserver, WakeableClock
 from tandem.broker.store.lock import DataDirLock
 from tandem.errors import StartError
+from tandem.ha import decide
 from tandem.ha import loop as ha_loop
-from tandem.ha.model import ElectionRecord, Member, Settings
+from tandem.ha.model import ElectionRecord, Member, Settings, View
 from tandem.local.election import FileElectionStore
 from tandem.local.front import Front
 from tandem.local.members import Proc, Supervisor
@@ -75,14 +76,8 @@ class FollowingObserver:
     async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
         members = await self.inner.observe(record)
         self.record = record
-        holder = self.procs.get(record.holder or "")
-        serving = (
-            holder is not None
-            and holder.alive
-            and holder.status.get("role") == "primary"
-            and holder.status.get("epoch") == record.epoch
-        )
-        self.front.point(holder.front_socket if serving and holder is not None else None)
+        serving = self.procs.get(decide.route(View(record, members)) or "")
+        self.front.point(serving.front_socket if serving is not None else None)
         return members
 
 

@@ -268,12 +268,12 @@ async def _rolling_upgrade(
     kube: Kube, loop: ClusterLoop, name: str, namespace: str, stopped: kopf.DaemonStopped
 ) -> None:
     """The StatefulSet updates OnDelete; this takes its pods to a new revision, a step at a
-    time (`ClusterLoop.roll`)."""
+    time (`ClusterLoop.upgrade_to`, then `decide`)."""
     while not stopped.is_set():
         try:
             stateful_set = await kube.get("apps/v1", "StatefulSet", namespace, name)
             if stateful_set is not None:
-                await loop.roll(stateful_set)
+                loop.upgrade_to(stateful_set)
         except (ApiError, Conflict, OSError) as exc:
             log.warning("cluster=%s/%s rolling upgrade: %s", namespace, name, exc)
         except Exception:

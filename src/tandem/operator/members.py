@@ -7,7 +7,9 @@ in step with the election record (the Lease):
 
 - the role label: off every pod that is not the serving primary first, then onto the one
   that is, so the client Service never selects two pods;
-- a terminating primary (its preStop is waiting) is switched over to a member in sync;
+- what Kubernetes asks of the members handed to `tandem.ha` to order: pods terminating
+  (`stopping`: a primary hands over first), pods on an old revision (`stale`: the rolling
+  upgrade), members a scale-down removes (`leaving`); `decide` chooses, this only acts;
 - the BrokerCluster's status (phase, primary, epoch, ISR, ready members, last failover) and an
   Event for each failover, stating the decision's reason.
 
@@ -24,9 +26,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from tandem.broker.ha_http import HttpActuator, HttpObserver, WakeableClock
+from tandem.ha import decide
 from tandem.ha import loop as ha_loop
 from tandem.ha.decide import Action
-from tandem.ha.model import ElectionRecord, Member, Settings
+from tandem.ha.model import ElectionRecord, Member, Settings, View
 from tandem.operator import builders
 from tandem.operator.spec import BrokerClusterSpec
 
@@ -192,7 +195,9 @@ class ClusterLoop:
             pods.clock,
             settings,
             poll_interval=spec.failover.poll_seconds,
+            restarter=self,
         )
+        self.revision: str | None = None  # the StatefulSet's update revision, as last read
 
     def configure(self, spec: BrokerClusterSpec) -> None:
         """A spec edit reaches the running loop: the failover delay and poll interval at once,
@@ -218,34 +223,28 @@ class ClusterLoop:
         """Called by the observer after every look, before the decision."""
         notes = (self.body.get("metadata") or {}).get("annotations") or {}
         self.controller.paused = notes.get(PAUSE_ANNOTATION, "").lower() == "true"
-        holder = self.pods.by_node.get(record.holder or "")
-        live = {m.node: m for m in members}
-        m = live.get(record.holder or "")
-        serving = (
-            holder is not None
-            and m is not None
-            and m.answering
-            and holder.status.get("role") == "primary"
-            and m.epoch == record.epoch
+        pods = self.pods.by_node.values()
+        self.controller.stopping = frozenset(p.node for p in pods if p.terminating)
+        self.controller.stale = frozenset(
+            p.node for p in pods if self.revision and p.revision and p.revision != self.revision
         )
-        await self._label(holder.node if serving and holder is not None else None)
+        route = decide.route(View(record, members))
+        await self._label(route)
+        holder = self.pods.by_node.get(route or "")
+        serving = holder is not None
         now = self.pods.clock.monotonic()
-        if serving and holder is not None:
+        if holder is not None:
             if self.serving is not None and self.serving != holder.node:
                 await self._failed_over(self.serving, holder.node, record, now)
             elif self.serving is None and self.down_since is not None and record.epoch > 1:
                 await self._failed_over(None, holder.node, record, now)
             self.serving, self.down_since, self.cause = holder.node, None, None
-            if holder.terminating and self.controller.switchover_to is None:
-                self._hand_over(record, live)
-        elif self.down_since is None:
-            self.down_since = now
-        elif (
-            self.cause is None
-            and self.controller.last is not None
-            and self.controller.last.action in (Action.FENCE, Action.PROMOTE)
-        ):
-            self.cause = self.controller.last.reason  # what set the failover going
+        else:
+            if self.down_since is None:
+                self.down_since = now
+            last = self.controller.last
+            if self.cause is None and last is not None and last.action is Action.FENCE:
+                self.cause = last.reason  # what set the failover going
         await self._report_divergence(members)
         await self._publish(record, members, serving)
 
@@ -286,20 +285,6 @@ class ClusterLoop:
             "onto" if value else "off",
             pod.node,
         )
-
-    def _hand_over(self, record: ElectionRecord, live: dict[str, Member]) -> None:
-        for node in sorted(record.isr - {record.holder or ""}):
-            pod, m = self.pods.by_node.get(node), live.get(node)
-            if pod and not pod.terminating and m is not None and m.answering and m.caught_up:
-                log.info(
-                    "cluster=%s/%s primary %s is terminating; switching over to %s",
-                    self.namespace,
-                    self.name,
-                    record.holder,
-                    node,
-                )
-                self.controller.switchover_to = node
-                return
 
     async def _failed_over(
         self, old: str | None, new: str, record: ElectionRecord, now: float
@@ -397,76 +382,36 @@ class ClusterLoop:
 
     def resize(self, nodes: list[str]) -> None:
         self.pods.resize(nodes)
+        # Done: the leaving members are gone, or a scale-up superseded the scale-down.
+        self.controller.leaving = frozenset()
 
-    async def roll(self, stateful_set: Mapping[str, Any]) -> str | None:
-        """One step of a rolling upgrade (the StatefulSet updates OnDelete): delete one pod
-        still on an old revision, backups first, the primary last (its preStop waits while
-        the loop switches over to a member in sync). A step is taken only while every member
-        serves, in sync, and nothing else is under way. Returns what it did or waits for."""
-        revision = (stateful_set.get("status") or {}).get("updateRevision")
-        stale = sorted(
-            p.node for p in self.pods.by_node.values() if p.revision and p.revision != revision
-        )
-        if not revision or not stale:
-            return None
-        record = await self.store.read()
-        pods = list(self.pods.by_node.values())
-        if self.controller.paused:
-            return "paused"
-        if self.serving is None or self.controller.switchover_to is not None:
-            return "waiting for a serving primary"
-        if any(not p.alive or p.terminating for p in pods):
-            return "waiting for every member to run"
-        if record.isr != frozenset(self.pods.by_node):
-            return f"waiting for every member to be in sync (ISR {','.join(sorted(record.isr))})"
-        backups = [n for n in stale if n != record.holder]
-        target = backups[0] if backups else stale[0]
-        log.info(
-            "cluster=%s/%s rolling upgrade to %s: restarting %s (%s)",
-            self.namespace,
-            self.name,
-            revision,
-            target,
-            "backup" if backups else "primary, after a switchover",
-        )
-        await self.api.event(
-            self.owner, "RollingUpgrade", f"restarting {target} on revision {revision}"
-        )
-        await self.api.delete("v1", "Pod", self.namespace, target)
-        return f"restarted {target}"
+    def upgrade_to(self, stateful_set: Mapping[str, Any]) -> None:
+        """The StatefulSet updates OnDelete: its update revision tells which pods run an old
+        one. `decide` restarts them one at a time (`restart`), backups first, the primary
+        last after a switchover, and only while every member serves in sync."""
+        revision = (stateful_set.get("status") or {}).get("updateRevision") or None
+        if revision != self.revision:
+            self.revision = revision
+            self.pods.clock.wake.set()
+
+    async def restart(self, node: str, why: str) -> None:
+        """ha.ports.Restarter: delete the pod; the StatefulSet makes it again on the new
+        revision, on the same claim."""
+        pod = self.pods.by_node.get(node)
+        if pod is None or pod.terminating:
+            return
+        log.info("cluster=%s/%s %s", self.namespace, self.name, why)
+        await self.api.event(self.owner, "RollingUpgrade", why)
+        await self.api.delete("v1", "Pod", self.namespace, node)
 
     async def leave(self, leaving: set[str]) -> bool:
-        """Scale-down's first step: the leaving members out of the ISR (the record first,
-        then the primary: rule 4), the primary role off them. True once done."""
+        """Scale-down's first step, which `decide` orders: the primary role off the leaving
+        members (a switchover), then they leave the ISR, never below its minimum. True once
+        the record names none of them, so that their pods may go."""
+        self.controller.leaving = frozenset(leaving)
+        self.pods.clock.wake.set()
         record = await self.store.read()
-        if record.holder in leaving:
-            staying = sorted(record.isr - leaving)
-            if staying and self.controller.switchover_to is None:
-                self.controller.switchover_to = staying[0]
-            return False
-        least = self.controller.settings.isr_min
-        if len(record.isr - leaving) < least:
-            log.info(
-                "cluster=%s/%s scaling down: %s would leave the ISR %s below its minimum of "
-                "%d; waiting for the staying members to be in sync",
-                self.namespace,
-                self.name,
-                ",".join(sorted(leaving)),
-                ",".join(sorted(record.isr)),
-                least,
-            )
-            return False
-        self.pods.resize([n for n in self.pods.by_node if n not in leaving])
-        if not (record.isr | record.tracking) & leaving:
-            return True
-        new = replace(
-            record, isr=record.isr - leaving, tracking=record.tracking - leaving, isr_min=least
-        )
-        stored = await self.store.compare_and_set(record, new)
-        if stored is None or record.holder is None:
-            return False
-        await self.actuator.set_isr(record.holder, stored)
-        return True
+        return record.holder not in leaving and not (record.waited & leaving)
 
     async def run(self, stopped: ha_loop.Stopped) -> None:
         await self.controller.run(stopped)
