@@ -234,3 +234,39 @@ def test_a_changed_isr_minimum_is_written_to_the_record_and_sent_to_the_primary(
     assert store.record.isr_min == 1 and store.record.isr == frozenset("abc")
     assert ("set_isr", "a", "a,b,c") in cluster.calls
     assert asyncio.run(c.turn()).action is Action.HOLD  # once written, nothing more to do
+
+
+def test_a_record_written_after_a_scale_up_keeps_the_minimum_its_isr_reaches() -> None:
+    """Found by the simulation's scale-ups: every record write stamped the settings' minimum,
+    so tracking a new member raised it to 2 while the ISR was the primary alone, and every
+    publisher waited until the new member was in sync."""
+    store, cluster = healthy()
+    store.record = replace(store.record, isr=frozenset("a"), isr_min=1)
+    cluster._set("b", caught_up=True)
+    c = controller(store, cluster)  # the settings' minimum is 2 again
+    assert asyncio.run(c.turn()).action is Action.TRACK
+    assert store.record.tracking == {"b"} and store.record.isr_min == 1
+
+
+def test_a_rolling_upgrade_restarts_through_the_restarter_one_member_at_a_time() -> None:
+    store, cluster = healthy()
+    restarted: list[str] = []
+
+    class Restarter:
+        async def restart(self, node: str, why: str) -> None:
+            restarted.append(node)
+            cluster._set(node, liveness=Liveness.DOWN)  # its pod goes
+
+    c = controller(store, cluster)
+    c.restarter, c.stale = Restarter(), frozenset("abc")
+    d = asyncio.run(c.turn())
+    assert d.action is Action.RESTART and restarted == ["b"] and "backup b" in d.reason
+    # b is not running: nothing more until it is back, in sync, on the new revision.
+    assert asyncio.run(c.turn()).action is Action.SHRINK_ISR  # b is down: out of the ISR
+    assert restarted == ["b"]
+    c.paused = True
+    cluster._set("b", liveness=Liveness.UP)
+    store.record = replace(store.record, isr=frozenset("abc"))
+    c.stale = frozenset("ac")
+    assert asyncio.run(c.turn()).action is Action.RESTART  # decided, but paused: not done
+    assert restarted == ["b"]
