@@ -371,6 +371,33 @@ def test_rabbitmq_definitions_import_and_export(broker_factory, tmp_path: Path) 
     assert broker.queue("orders.eu", "legacy-vh")["depth"] == 1
 
 
+def test_definitions_posted_to_a_running_broker_merge_users_and_persist(broker: Broker) -> None:
+    """POST /api/definitions, as RabbitMQ's import: users, vhosts and permissions created or
+    replaced, none deleted; recorded, so a restart keeps them. Queues, exchanges and bindings
+    are refused with a reason rather than half applied."""
+    doc = {
+        "users": [{"name": "app", "password": "first", "tags": []}],
+        "vhosts": [{"name": "apps"}],
+        "permissions": [
+            {"user": "app", "vhost": "apps", "configure": ".*", "write": ".*", "read": ".*"}
+        ],
+    }
+    code, answer = broker.http("POST", "/api/definitions", doc)
+    assert code == 200 and answer == {"users": 1, "vhosts": 1, "permissions": 1}, answer
+    connect(broker, "app", "first", "apps").close()
+    doc["users"][0]["password"] = "second"  # a rotation
+    assert broker.http("POST", "/api/definitions", {"users": doc["users"]})[0] == 200
+    with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+        connect(broker, "app", "first", "apps")
+    broker.restart()
+    connect(broker, "app", "second", "apps").close()  # kept: its permission too
+    connect(broker, "guest", "guest").close()  # not in the document, not deleted
+    code, answer = broker.http("POST", "/api/definitions", {"queues": [{"name": "q"}]})
+    assert code == 400 and "cannot be imported into a running broker" in answer, answer
+    code, answer = broker.http("POST", "/api/definitions", {"users": [{"name": "x"}]})
+    assert code == 400 and "lacks" in answer, answer
+
+
 def test_bad_definitions_file_is_a_clear_error(tmp_path: Path) -> None:
     import json
 

@@ -914,3 +914,56 @@ async def test_a_rolling_upgrade_restarts_backups_first_and_the_primary_last(
     assert labels.most_at_once == 1
     pods = (await api.get(PODS_PATH))["items"]
     assert {p["metadata"]["labels"]["controller-revision-hash"] for p in pods} == {"r2"}
+
+
+async def _connects(port: int, password: str) -> bool:
+    params = pika.ConnectionParameters(
+        "127.0.0.1", port, credentials=pika.PlainCredentials(builders.DEFAULT_USER, password)
+    )
+    try:
+        conn = await asyncio.to_thread(pika.BlockingConnection, params)
+    except pika.exceptions.AMQPError:
+        return False
+    await asyncio.to_thread(conn.close)
+    return True
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(180)
+async def test_a_rotated_user_password_reaches_the_running_cluster_and_survives_deletion(
+    demo: tuple[Api, Operator, Labels, Kubelet],
+) -> None:
+    """Issue 15: an edit of the users Secret was ignored once the members had joined, and a
+    deleted default-user Secret came back with a password no broker accepted."""
+    api, _, _, kubelet = demo
+    bc = await api.get(f"{BC_PATH}/demo")
+    port = kubelet.brokers[bc["status"]["primary"]].amqp_port
+    old = await kubelet.secret("demo-default-user", "password")
+    path = f"/api/v1/namespaces/{NS}/secrets/demo-default-user"
+    status, body = await api.call("PATCH", path, {"stringData": {"password": "rotated-1"}})
+    assert status == 200, body
+    # The operator carries the password into the Secret's url and definitions ...
+    await api.until(
+        f"/api/v1/namespaces/{NS}/secrets",
+        lambda o: ":rotated-1@" in (o.get("stringData") or {}).get("url", ""),
+        "the url following the new password",
+    )
+    # ... and onto the cluster, whose primary records it: the new password works, the old
+    # one no longer does.
+    await api.until(
+        f"/api/v1/namespaces/{NS}/events",
+        lambda o: o.get("reason") == "UsersApplied",
+        "the users applied",
+    )
+    assert await _connects(port, "rotated-1")
+    assert not await _connects(port, old)
+    # Deleted, the Secret comes back with the password the cluster uses, not a new one.
+    status, body = await api.call("DELETE", path)
+    assert status == 200, body
+    await api.until(
+        f"/api/v1/namespaces/{NS}/secrets",
+        lambda o: o["metadata"]["name"] == "demo-default-user",
+        "the default-user Secret back",
+    )
+    assert await kubelet.secret("demo-default-user", "password") == "rotated-1"
+    assert await _connects(port, "rotated-1")

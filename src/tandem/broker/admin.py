@@ -24,6 +24,7 @@ from tandem.broker.model import definitions, spec, state
 from tandem.broker.model.broker import Broker
 from tandem.broker.protocol.connection import Connection
 from tandem.broker.replication.member import Member
+from tandem.errors import ConfigError
 from tandem.ha.model import ElectionRecord
 
 if TYPE_CHECKING:
@@ -288,6 +289,12 @@ def make_app(node: Node) -> web.Application:
                 answer = member.inform(
                     ElectionRecord.from_dict(body["record"]), str(body.get("why", ""))
                 )
+            elif what == "users":
+                # The operator's copy of a users Secret: the cluster key stands for the
+                # admin token here, as the controller holds no other credential.
+                if node.role == "backup":
+                    return _json_error(503, f"{node.refusal}; users are set on the primary")
+                return await import_auth(body)
             elif what == "follow":
                 host, _, port = str(body["address"]).rpartition(":")
                 amqp = body.get("amqp")
@@ -403,6 +410,32 @@ def make_app(node: Node) -> web.Application:
     async def export_definitions(request: web.Request) -> web.Response:
         return web.json_response(definitions.json_safe(definitions.export(node.broker)))
 
+    async def import_auth(body: dict[str, Any]) -> web.Response:
+        """Users, vhosts and permissions of a RabbitMQ definitions document, merged as
+        RabbitMQ's import merges: each one given is created or replaced, none is deleted."""
+        try:
+            data = definitions.validate(body, "the definitions")
+        except ConfigError as exc:
+            return _json_error(400, str(exc))
+        entities = [k for k in ("exchanges", "queues", "bindings") if data.get(k)]
+        if entities:
+            return _json_error(
+                400,
+                f"{', '.join(entities)} cannot be imported into a running broker; declare them "
+                "from a client, or put them in the definitions file read at start",
+            )
+        try:
+            definitions.apply_auth(node.broker, data, node.cfg.guest_remote)
+        except ValidationError as exc:
+            return _json_error(400, f"invalid definitions: {exc.errors()[0]['msg']}")
+        await saved()
+        counts = {k: len(data.get(k, [])) for k in ("users", "vhosts", "permissions")}
+        log.info("definitions imported: %s", ", ".join(f"{n} {k}" for k, n in counts.items()))
+        return web.json_response(counts)
+
+    async def post_definitions(request: web.Request) -> web.Response:
+        return await import_auth(await _body(request))
+
     async def dump_state(request: web.Request) -> web.Response:
         """The whole state, exact to the byte (model/state.py); ?durable=true: only what a
         restart keeps; ?replicated=true: only what every backup holds too."""
@@ -433,6 +466,7 @@ def make_app(node: Node) -> web.Application:
             web.delete("/api/permissions/{vhost}/{user}", delete_permission),
             web.get("/api/queues", list_queues),
             web.get("/api/definitions", export_definitions),
+            web.post("/api/definitions", post_definitions),
             web.get("/api/state", dump_state),
             web.post("/ha/{command}", ha),
             web.get("/replication/checkpoints", checkpoints),

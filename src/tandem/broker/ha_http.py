@@ -138,7 +138,9 @@ class HttpActuator:
         self.headers = {"Authorization": f"Bearer {key}"}
         self.renewed: tuple[int, float] = (-1, 0.0)
 
-    async def _post(self, node: str, command: str, body: dict[str, Any]) -> bool:
+    async def _post(
+        self, node: str, command: str, body: dict[str, Any], status: bool = True
+    ) -> bool:
         proc = self.procs.get(node)
         if proc is None or not proc.alive or not proc.admin_address:
             return False
@@ -153,7 +155,9 @@ class HttpActuator:
                 if resp.status != 200:
                     log.warning("%s %s: %s %s", node, command, resp.status, await resp.text())
                     return False
-                proc.status.update(await resp.json())
+                answer = await resp.json()
+                if status:  # the commands answer the member's replication status
+                    proc.status.update(answer)
                 return True
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.info("%s %s: %r", node, command, exc)
@@ -181,6 +185,11 @@ class HttpActuator:
             body["why"] = why
         if await self._post(primary, "record", body):
             self.renewed = (record.version, time.monotonic())
+
+    async def import_users(self, primary: str, definitions: dict[str, Any]) -> bool:
+        """Users, vhosts and permissions (a definitions document) onto the primary, which
+        records them in its log; True once it answered that they are recorded."""
+        return await self._post(primary, "users", definitions, status=False)
 
     async def renew(self, primary: str, record: ElectionRecord) -> None:
         version, when = self.renewed

@@ -33,6 +33,7 @@ DATA_DIR = "/var/lib/tandem"
 CONFIG_DIR = "/etc/tandem"
 KEY_DIR = "/etc/tandem/cluster"
 TLS_DIR = "/etc/tandem/tls"  # a kubernetes.io/tls Secret: tls.crt, tls.key
+DEFAULT_USER = "default"  # the one user of <name>-default-user, without a usersSecret
 USERS_DIR = "/etc/tandem/users"  # a Secret holding definitions.json (RabbitMQ's export format)
 HANDOVER_SECONDS = 25  # the preStop waits this long at most for the primary role to move
 RUN_AS = 10001
@@ -160,7 +161,7 @@ def default_user_secret(name: str, namespace: str, password: str) -> Obj:
     """Without a usersSecret, the operator generates one user, as RabbitMQ's operator does:
     `<name>-default-user` holds its username, password, the client URL (the client
     Service's DNS name) and the definitions.json the members load."""
-    user = "default"
+    user = DEFAULT_USER
     host = f"{name}.{namespace}.svc"
     users = {
         "users": [{"name": user, "password": password, "tags": ["administrator"]}],

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import json
 import logging
 import secrets
 from typing import Any
@@ -211,6 +212,8 @@ async def _ensure_cluster_key(
         return
     if loop is not None:
         obj = {**obj, "stringData": {"key": loop.key}}
+        message = f"{meta['name']} was deleted; made again with the key the members use"
+        await kube.event(body, "SecretRestored", message)
     elif has_data:
         message = (
             f"the Secret {meta['name']} is gone and the members' data needs the key it held; "
@@ -259,26 +262,90 @@ async def failover(
                 pods.seen("ADDED", pod)
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(loop.run(stopped))
-                tasks.create_task(_rolling_upgrade(kube, loop, name, namespace, stopped))
+                tasks.create_task(_keep_in_step(kube, loop, body, parsed, stopped))
         finally:
             memo.loops.pop((namespace, name), None)
 
 
-async def _rolling_upgrade(
-    kube: Kube, loop: ClusterLoop, name: str, namespace: str, stopped: kopf.DaemonStopped
+async def _keep_in_step(
+    kube: Kube,
+    loop: ClusterLoop,
+    body: kopf.Body,
+    spec: BrokerClusterSpec,
+    stopped: kopf.DaemonStopped,
 ) -> None:
-    """The StatefulSet updates OnDelete; this takes its pods to a new revision, a step at a
-    time (`ClusterLoop.upgrade_to`, then `decide`)."""
+    """Beside the failover loop, every ROLL_SECONDS: the StatefulSet's revision (a rolling
+    upgrade, which `decide` orders), the users Secret (an edit reaches the running cluster),
+    and the two Secrets the operator made, put back as they were if someone deleted them."""
+    name, namespace = loop.name, loop.namespace
     while not stopped.is_set():
         try:
             stateful_set = await kube.get("apps/v1", "StatefulSet", namespace, name)
             if stateful_set is not None:
                 loop.upgrade_to(stateful_set)
+            await _keep_users(kube, loop, body, spec)
+            key = builders.cluster_key_secret(name, namespace, loop.key)
+            await _ensure_cluster_key(kube, body, key, loop, has_data=True)
         except (ApiError, Conflict, OSError) as exc:
-            log.warning("cluster=%s/%s rolling upgrade: %s", namespace, name, exc)
+            log.warning("cluster=%s/%s keeping in step: %s", namespace, name, exc)
         except Exception:
-            log.exception("cluster=%s/%s rolling upgrade: %s", namespace, name, BUG)
+            log.exception("cluster=%s/%s keeping in step: %s", namespace, name, BUG)
         await stopped.wait(ROLL_SECONDS)
+
+
+def _decoded(secret: Obj) -> dict[str, str]:
+    out = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    return {**out, **(secret.get("stringData") or {})}
+
+
+async def _keep_users(
+    kube: Kube, loop: ClusterLoop, body: kopf.Body, spec: BrokerClusterSpec
+) -> None:
+    """The users Secret is the source of its users: its definitions reach the primary (which
+    records them), merged as RabbitMQ's import merges. The operator's own default-user Secret
+    is kept whole: a new `password` is carried into its `url` and `definitions.json`; deleted,
+    it is made again with the password the cluster uses."""
+    name, namespace = loop.name, loop.namespace
+    secret_name = builders.users_secret_name(name, spec)
+    secret = await kube.get("v1", "Secret", namespace, secret_name)
+    default = not spec.users_secret
+    if secret is None:
+        if not default:
+            return  # the user's own Secret: the pods cannot start without it (kubectl says)
+        known = loop.users[1] if loop.users else None
+        password = _default_password(known) or secrets.token_hex(16)
+        await kube.ensure(builders.default_user_secret(name, namespace, password))
+        told = "with the password the cluster uses" if known else "with a new password"
+        await kube.event(body, "SecretRestored", f"{secret_name} was deleted; made again {told}")
+        return
+    data = _decoded(secret)
+    try:
+        definitions = json.loads(data.get("definitions.json", ""))
+        if not isinstance(definitions, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        message = f"{secret_name}: definitions.json is not a definitions document ({exc})"
+        if loop.users_refused != message:
+            loop.users_refused = message
+            await kube.event(body, "UsersSecretInvalid", message, "Warning")
+        return
+    loop.users_refused = None
+    edited = data.get("password")
+    if default and edited and edited != _default_password(definitions):
+        # The password was edited: the whole Secret follows it, then the cluster.
+        fresh = builders.default_user_secret(name, namespace, edited)
+        await kube.patch(
+            "v1", "Secret", namespace, secret_name, {"stringData": fresh["stringData"]}
+        )
+        definitions = json.loads(fresh["stringData"]["definitions.json"])
+    loop.users_seen(definitions)
+
+
+def _default_password(definitions: Obj | None) -> str | None:
+    for user in (definitions or {}).get("users", []):
+        if user.get("name") == builders.DEFAULT_USER:
+            return str(user.get("password") or "") or None
+    return None
 
 
 @kopf.on.event("", "v1", "pods", labels=MEMBER_PODS)

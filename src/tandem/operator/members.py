@@ -20,6 +20,8 @@ epoch tell the loop that a failover is under way, and it completes it.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -198,6 +200,11 @@ class ClusterLoop:
             restarter=self,
         )
         self.revision: str | None = None  # the StatefulSet's update revision, as last read
+        # The users Secret's definitions as last read (digest, document), and the digest the
+        # primary last recorded: an edit of the Secret reaches the running cluster.
+        self.users: tuple[str, Obj] | None = None
+        self.users_applied: str | None = None
+        self.users_refused: str | None = None  # why the users Secret cannot be used, if so
 
     def configure(self, spec: BrokerClusterSpec) -> None:
         """A spec edit reaches the running loop: the failover delay and poll interval at once,
@@ -245,8 +252,29 @@ class ClusterLoop:
             last = self.controller.last
             if self.cause is None and last is not None and last.action is Action.FENCE:
                 self.cause = last.reason  # what set the failover going
+        if holder is not None and self.users and self.users[0] != self.users_applied:
+            await self._apply_users(holder.node, *self.users)
         await self._report_divergence(members)
         await self._publish(record, members, serving)
+
+    def users_seen(self, definitions: Obj) -> None:
+        """The users Secret as the operator last read it (`definitions.json`)."""
+        digest = hashlib.sha256(json.dumps(definitions, sort_keys=True).encode()).hexdigest()
+        if self.users is None or self.users[0] != digest:
+            self.users = (digest, definitions)
+            self.pods.clock.wake.set()
+
+    async def _apply_users(self, primary: str, digest: str, definitions: Obj) -> None:
+        if await self.actuator.import_users(primary, definitions):
+            if self.users_applied is not None:  # not the first look after a start
+                names = ", ".join(sorted(u["name"] for u in definitions.get("users", [])))
+                await self.api.event(
+                    self.owner, "UsersApplied", f"users {names} set on the cluster by {primary}"
+                )
+            log.info(
+                "cluster=%s/%s users Secret recorded by %s", self.namespace, self.name, primary
+            )
+            self.users_applied = digest
 
     async def _report_divergence(self, members: tuple[Member, ...]) -> None:
         """One Warning Event when a member says it could not apply a record (a bug: its state
