@@ -1,4 +1,6 @@
-"""`tandem broker | cluster | operator | ctl`: the command line."""
+"""Tandem, an AMQP 0-9-1 broker with hot-standby replication: run one broker, a local HA
+cluster behind one address, the Kubernetes operator, or the Spark audit; manage a running
+node with `ctl`. Docs: README.md and docs/ in the source tree."""
 
 from __future__ import annotations
 
@@ -189,8 +191,8 @@ def _cluster_switchover(args: argparse.Namespace) -> int:
 
 
 def _handover(args: argparse.Namespace) -> int:
-    """A pod's preStop: wait until this member is no longer the primary (the operator
-    switches over to a member in sync when it sees the pod terminating), then let the pod
+    """A pod's preStop: wait until this member is no longer the primary (the operator tells
+    the failover logic the pod is stopping, and it hands over to a member in sync), then let the pod
     stop. Never fails the hook: at the timeout the pod stops anyway, and the operator fails
     over as for any lost primary."""
     headers = {}
@@ -514,7 +516,9 @@ def parser() -> argparse.ArgumentParser:
         else:
             cp.add_argument("--to", help="the member to promote (default: one in sync)")
 
-    op = sub.add_parser("operator", help="the Kubernetes operator's pieces (docs: issue 6)")
+    op = sub.add_parser(
+        "operator", help="the Kubernetes operator: run it, or print its CRD (docs/kubernetes.md)"
+    )
     osub = op.add_subparsers(dest="operator_command", required=True)
     run = osub.add_parser("run", help="run the operator (in a cluster, or on a kubeconfig)")
     where = run.add_mutually_exclusive_group(required=True)

@@ -1,10 +1,12 @@
 """The kopf handlers of `tandem operator run`: thin, over the pure builders.
 
 - create, resume, update of a BrokerCluster: build every object from the typed spec and apply
-  it (the cluster-key Secret only once: a key is never replaced); a scale-down first takes
-  the leaving members out of the ISR (and the primary role off them);
+  it (the cluster-key Secret only once: a key is never replaced); a scale-down first waits
+  until the failover logic has the primary role off the leaving members and them out of the
+  ISR (`ClusterLoop.leave`);
 - a daemon per BrokerCluster runs its failover loop (`members.ClusterLoop`) on the Lease,
-  and beside it the rolling upgrade (the StatefulSet updates OnDelete);
+  and beside it keeps in step the StatefulSet's revision (a rolling upgrade, which `decide`
+  orders), the users Secret, and the Secrets the operator made;
 - the pod watch hands every member pod's change to its cluster's loop at once;
 - delete: the finalizer deletes the members' volume claims when the retention says Delete.
 
