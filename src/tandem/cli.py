@@ -19,7 +19,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import pydantic
+
 from tandem import errors
+from tandem.broker.status import ClusterStatus, NodeStatus
 
 
 def _broker(args: argparse.Namespace) -> int:
@@ -146,11 +149,13 @@ def _cluster_status(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError) as exc:
         print(f"tandem: cannot reach the cluster at {args.url}: {exc}", file=sys.stderr)
         return 1
+    try:
+        cluster = ClusterStatus.model_validate(answer)
+    except pydantic.ValidationError as exc:
+        print(f"tandem: {args.url}/cluster is not a Tandem cluster: {exc}", file=sys.stderr)
+        return 1
     if args.primary_pid:
-        pid = next(
-            (m["pid"] for m in answer["members"] if m["node"] == answer["primary"] and m["pid"]),
-            None,
-        )
+        pid = next((m.pid for m in cluster.members if m.node == cluster.primary and m.pid), None)
         if pid is None:
             print("tandem: no primary serves right now", file=sys.stderr)
             return 1
@@ -160,18 +165,17 @@ def _cluster_status(args: argparse.Namespace) -> int:
         print(json.dumps(answer, indent=2))
         return 0
     print(
-        f"primary: {answer['primary']}  epoch: {answer['epoch']}  "
-        f"isr: {','.join(answer['isr'])}  front: {answer['front']['host']}:"
-        f"{answer['front']['port']}"
+        f"primary: {cluster.primary}  epoch: {cluster.epoch}  isr: {','.join(cluster.isr)}  "
+        f"front: {cluster.front.host}:{cluster.front.port}"
     )
-    print(_table(answer["members"], CLUSTER_COLUMNS))
-    if answer.get("last_change"):
-        print(f"last change: {answer['last_change']}")
-    if answer.get("last_decision"):
-        print(f"last decision: {answer['last_decision']}")
-    for m in answer["members"]:
-        if m.get("diverged"):
-            print(f"{m['node']} diverged: {m['diverged']}")
+    print(_table([m.model_dump(mode="json") for m in cluster.members], CLUSTER_COLUMNS))
+    if cluster.last_change:
+        print(f"last change: {cluster.last_change}")
+    if cluster.last_decision:
+        print(f"last decision: {cluster.last_decision}")
+    for m in cluster.members:
+        if m.diverged:
+            print(f"{m.node} diverged: {m.diverged}")
     return 0
 
 
@@ -206,7 +210,7 @@ def _handover(args: argparse.Namespace) -> int:
             with urllib.request.urlopen(
                 urllib.request.Request(url, headers=headers), timeout=2
             ) as r:
-                role = json.loads(r.read()).get("role")
+                role = NodeStatus.model_validate(json.loads(r.read())).role
         except (urllib.error.URLError, OSError, ValueError) as exc:
             print(f"tandem handover: the node does not answer ({exc}); stopping", flush=True)
             return 0

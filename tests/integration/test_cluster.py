@@ -20,6 +20,7 @@ import pika
 import pytest
 from pamqp import commands
 
+from tandem.broker.status import ClusterStatus, NodeStatus
 from tests import support
 from tests.support import BUG_PHRASE, LocalCluster
 
@@ -151,6 +152,18 @@ def test_cluster_status_prints_the_members(cluster: LocalCluster) -> None:
     rows = [line for line in lines[2:] if "\t" in line]
     assert sorted(row.split("\t")[0] for row in rows) == ["tandem-1", "tandem-2", "tandem-3"]
     assert lines[-1].startswith("last decision: ")  # why the record is as it is
+    # /cluster and each member's /status are the typed contract, with nothing undeclared.
+    answer = ClusterStatus.model_validate(cluster.cluster())
+    assert not answer.model_extra and all(not m.model_extra for m in answer.members)
+    for m in answer.members:
+        assert m.admin_port is not None
+        code, body = support.http(m.admin_port, "GET", "/status")
+        assert code == 200, body
+        member = NodeStatus.model_validate(body)
+        assert not member.model_extra, f"undeclared: {member.model_extra}"
+        assert member.role == m.role and member.cluster is not None
+        if member.role == "primary":
+            assert member.isr is not None and set(member.isr) - {m.node} <= set(member.members)
 
 
 def test_a_second_cluster_on_the_same_data_dir_is_refused(cluster: LocalCluster) -> None:

@@ -15,6 +15,10 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+import pydantic
+
+from tandem.broker.status import ClusterStatus, NodeStatus
+
 TIMEOUT = 5.0
 ADMIN_PORT = 15672  # a member's admin port on Kubernetes (the StatefulSet's container port)
 
@@ -51,9 +55,10 @@ def from_cluster(url: str, token: str | None = None) -> list[str]:
         ) from None
     host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
     try:
-        return [f"http://{host}:{m['admin_port']}" for m in answer["members"]]
-    except (KeyError, TypeError):
+        members = ClusterStatus.model_validate(answer).members
+    except pydantic.ValidationError:
         raise DiscoveryError(f"{url}/cluster does not answer like a Tandem cluster") from None
+    return [f"http://{host}:{m.admin_port}" for m in members if m.admin_port]
 
 
 def from_kubernetes(name: str, namespace: str = "default") -> list[str]:
@@ -84,7 +89,7 @@ def read_member(url: str, token: str | None = None) -> list[Row]:
     except ValueError:
         return [_unreachable(base, "answered something that is not JSON")]
     try:
-        node, role = str(answer["node"]), str(status.get("role", ""))
+        node, role = str(answer["node"]), NodeStatus.model_validate(status).role
         rows: list[Row] = []
         for cp in answer["checkpoints"]:
             head = (node, base, role, True, None, int(cp["epoch"]), int(cp["position"]))

@@ -24,6 +24,7 @@ from tandem.broker.model import definitions, spec, state
 from tandem.broker.model.broker import Broker
 from tandem.broker.protocol.connection import Connection
 from tandem.broker.replication.member import Member
+from tandem.broker.status import NodeStatus
 from tandem.errors import ConfigError
 from tandem.ha.model import ElectionRecord
 
@@ -71,7 +72,7 @@ class Node(Protocol):
     @property
     def connections(self) -> Collection[HasConnection]: ...
 
-    def status(self, brief: bool = False) -> dict[str, Any]: ...
+    def status(self, brief: bool = False) -> NodeStatus: ...
 
     def save_auth(self) -> None: ...
 
@@ -153,28 +154,28 @@ class NodeCollector:
             "tandem_diverged",
             "1 while a record from the primary did not apply here, until a copy replaces "
             "this member's state",
-            value=1 if st["diverged"] else 0,
+            value=1 if st.diverged else 0,
         )
         role = GaugeMetricFamily("tandem_role", "1 for this node's role", labels=["role"])
         role.add_metric([node.role], 1)
         yield role
-        yield GaugeMetricFamily("tandem_epoch", "The highest epoch adopted", value=st["epoch"])
+        yield GaugeMetricFamily("tandem_epoch", "The highest epoch adopted", value=st.epoch)
         yield CounterMetricFamily(
-            "tandem_failovers", "Times this node became primary", value=st["failovers"]
+            "tandem_failovers", "Times this node became primary", value=st.failovers
         )
         yield CounterMetricFamily(
             "tandem_catch_up_bytes",
             "Bytes taken from a primary to catch up",
-            value=st["catch_up_bytes"],
+            value=st.catch_up_bytes,
         )
         yield GaugeMetricFamily(
             "tandem_replication_rtt_seconds",
             "From shipping a record to its ack (smoothed)",
-            value=st["replication_rtt_seconds"],
+            value=st.replication_rtt_seconds,
         )
-        if "isr" in st:
+        if st.isr is not None:
             yield GaugeMetricFamily(
-                "tandem_isr_size", "Members in the in-sync set", value=len(st["isr"])
+                "tandem_isr_size", "Members in the in-sync set", value=len(st.isr)
             )
             lag = GaugeMetricFamily(
                 "tandem_member_lag_records", "Records a member has not acked", labels=["member"]
@@ -184,9 +185,9 @@ class NodeCollector:
                 "Age of the oldest record a member has not acked",
                 labels=["member"],
             )
-            for name, m in st["members"].items():
-                lag.add_metric([name], m["lag_records"])
-                lag_s.add_metric([name], m["lag_seconds"])
+            for name, m in st.members.items():
+                lag.add_metric([name], m.lag_records)
+                lag_s.add_metric([name], m.lag_seconds)
             yield lag
             yield lag_s
 
@@ -265,7 +266,7 @@ def make_app(node: Node) -> web.Application:
 
     async def status(request: web.Request) -> web.Response:
         """GET /status; `?brief=1` leaves out the queues (the controller polls it often)."""
-        return web.json_response(node.status(brief=bool(request.query.get("brief"))))
+        return web.json_response(node.status(brief=bool(request.query.get("brief"))).publish())
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(
@@ -308,7 +309,7 @@ def make_app(node: Node) -> web.Application:
                 return _json_error(404, f"no HA command '{what}'")
         except (KeyError, TypeError, ValueError) as exc:
             return _json_error(400, f"bad {what} command: {exc!r}")
-        return web.json_response(answer)
+        return web.json_response(answer.publish())
 
     async def checkpoints(request: web.Request) -> web.Response:
         """GET: the per-queue depths this member recorded at each audit checkpoint it
@@ -446,7 +447,7 @@ def make_app(node: Node) -> web.Application:
         )
 
     async def list_queues(request: web.Request) -> web.Response:
-        return web.json_response(node.status()["queues"])
+        return web.json_response(node.status().publish()["queues"])
 
     app = web.Application(middlewares=[auth])
     app.add_routes(

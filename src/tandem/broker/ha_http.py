@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from tandem.broker.status import MemberReport, NodeStatus, ReplicationStatus
 from tandem.ha.model import ElectionRecord, Liveness, Member, Position, Role
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,12 @@ class HttpObserver:
                 url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=STATUS_TIMEOUT)
             ) as resp:
                 if resp.status == 200:
-                    proc.status = await resp.json()
+                    answer = await resp.json()
+                    NodeStatus.model_validate(answer)  # not the contract: no answer
+                    proc.status = answer
                     proc.last_answer = self.clock()
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            pass
+            pass  # ValueError: not JSON, or not a status (pydantic's ValidationError)
 
     async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
         procs = list(self.procs.values())
@@ -86,9 +89,9 @@ class HttpObserver:
         await asyncio.gather(*(self._poll(p) for p in procs))
         now = self.clock()
         primary = self.procs.get(record.holder or "")
-        report: dict[str, Any] = {}
+        report: dict[str, MemberReport] = {}
         if primary is not None and primary.last_answer != before.get(primary.node):
-            report = primary.status.get("members") or {}
+            report = ReplicationStatus.model_validate(primary.status).members
         members = []
         for p in procs:
             if not p.alive:
@@ -99,23 +102,23 @@ class HttpObserver:
                 since = max(p.last_answer, p.started)
                 members.append(Member(p.node, Liveness.SILENT, silent_for=now - since))
                 continue
-            s = p.status
-            r = report.get(p.node, {})
+            s = ReplicationStatus.model_validate(p.status)
+            r = report.get(p.node) or MemberReport()
             members.append(
                 Member(
                     p.node,
                     Liveness.UP,
-                    Role(s["role"]) if s.get("role") in ("primary", "backup") else Role.BACKUP,
-                    int(s.get("epoch", 0)),
-                    Position(int(s.get("last_epoch", 0)), int(s.get("position", 0))),
-                    following=s.get("following"),
-                    caught_up=bool(r.get("caught_up")),
-                    waited=bool(r.get("waited")),
-                    applied_version=int(s.get("applied_version", 0)),
-                    lag_records=int(r.get("lag_records", 0)),
-                    lag_seconds=float(r.get("lag_seconds", 0.0)),
-                    whole=bool(s.get("whole", True)),
-                    diverged=s.get("diverged"),
+                    Role(s.role) if s.role in ("primary", "backup") else Role.BACKUP,
+                    s.epoch,
+                    Position(s.last_epoch, s.position),
+                    following=s.following,
+                    caught_up=r.caught_up,
+                    waited=r.waited,
+                    applied_version=s.applied_version,
+                    lag_records=r.lag_records,
+                    lag_seconds=r.lag_seconds,
+                    whole=s.whole,
+                    diverged=s.diverged,
                 )
             )
         return tuple(members)
@@ -157,9 +160,10 @@ class HttpActuator:
                     return False
                 answer = await resp.json()
                 if status:  # the commands answer the member's replication status
+                    ReplicationStatus.model_validate(answer)
                     proc.status.update(answer)
                 return True
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.info("%s %s: %r", node, command, exc)
             return False
 

@@ -26,6 +26,7 @@ from tandem.broker.model.spec import UserSpec
 from tandem.broker.protocol import channel as channel_mod
 from tandem.broker.protocol import connection as conn_mod
 from tandem.broker.replication import member as member_mod
+from tandem.broker.status import NodeStatus, QueueStatus
 from tandem.broker.store.lock import DataDirLock
 from tandem.broker.store.log import Store
 
@@ -291,52 +292,56 @@ class Node:
 
     # -- status --
 
-    def status(self, brief: bool = False) -> dict[str, Any]:
+    def status(self, brief: bool = False) -> NodeStatus:
         journal = self.broker.journal
         queues = (
             []
             if brief
             else [
-                {
-                    "vhost": vh.name,
-                    "name": q.name,
-                    "depth": q.depth,
-                    "ready": len(q.messages),
-                    "unacked": q.unacked,
-                    "consumers": len(q.consumers),
-                    "durable": q.durable,
-                    "replicate": q.replicate,
-                }
+                QueueStatus(
+                    vhost=vh.name,
+                    name=q.name,
+                    depth=q.depth,
+                    ready=len(q.messages),
+                    unacked=q.unacked,
+                    consumers=len(q.consumers),
+                    durable=q.durable,
+                    replicate=q.replicate,
+                )
                 for vh in self.broker.vhosts.values()
                 for q in vh.queues.values()
             ]
         )
-        out = {
-            "node": self.cfg.node_id,
-            "role": self.role,
-            "epoch": journal.epoch,
-            "position": journal.offset,
-            "primary": self.cfg.node_id if self.role != "backup" else None,
-            "amqp_port": self.amqp_port,
-            "admin_port": self.admin_port,
-            "connections": len(self.connections),
-            "alarms": dict(self.alarms),
-            "store": self.store.stats() if self.store is not None else None,
-            "queues": queues,
-            # Records that could not be applied (a bug; see model/apply.py): at recovery,
-            # and (on a backup) from the primary's stream, the last few.
-            "not_applied": self.not_applied
-            + [
-                f"{e}:{o} {what}"
-                for e, o, what in (self.member.log.not_applied if self.member is not None else [])
-            ],
-        }
-        if self.member is not None:
-            out.update(self.member.status())
-            out["role"] = self.role
-            if self.role == "backup":
-                out["primary"] = self.member.replica.following
-        return out
+        member = self.member.status().publish() if self.member is not None else {}
+        return NodeStatus.model_validate(
+            {
+                **member,
+                "node": self.cfg.node_id,
+                "role": self.role,
+                "epoch": member.get("epoch", journal.epoch),
+                "position": member.get("position", journal.offset),
+                "primary": (
+                    self.cfg.node_id
+                    if self.role != "backup"
+                    else self.member.replica.following
+                    if self.member is not None
+                    else None
+                ),
+                "amqp_port": self.amqp_port,
+                "admin_port": self.admin_port,
+                "connections": len(self.connections),
+                "alarms": dict(self.alarms),
+                "store": self.store.stats() if self.store is not None else None,
+                "queues": queues,
+                "not_applied": self.not_applied
+                + [
+                    f"{e}:{o} {what}"
+                    for e, o, what in (
+                        self.member.log.not_applied if self.member is not None else []
+                    )
+                ],
+            }
+        )
 
     # -- running --
 

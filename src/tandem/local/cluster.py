@@ -30,6 +30,13 @@ from aiohttp import web
 
 from tandem.broker.admin import bearer
 from tandem.broker.ha_http import Endpoint, HttpActuator, HttpObserver, WakeableClock
+from tandem.broker.status import (
+    ClusterMember,
+    ClusterStatus,
+    FrontAddress,
+    MemberReport,
+    ReplicationStatus,
+)
 from tandem.broker.store.lock import DataDirLock
 from tandem.errors import StartError
 from tandem.ha import decide
@@ -190,7 +197,7 @@ class LocalCluster:
             "amqps": self.front.tls_port,
             "admin": self.admin_port,
             "pid": os.getpid(),
-            "members": {n: self._member(p) for n, p in self.procs.items()},
+            "members": {m.node: m.publish() for m in self.describe().members},
         }
         (self.data_dir / "cluster.json").write_text(json.dumps(info))
         print(
@@ -205,65 +212,60 @@ class LocalCluster:
             flush=True,
         )
 
-    def _member(self, p: Proc) -> dict[str, Any]:
-        s = p.status
-        return {
-            "node": p.node,
-            "pid": p.process.pid if p.alive and p.process is not None else None,
-            "amqp_port": p.amqp_port,
-            "admin_port": p.admin_port,
-            "replication_port": p.replication_port,
-            "tls_port": p.tls_port,
-            "role": s.get("role", "down") if p.alive else "down",
-            "epoch": s.get("epoch"),
-            "position": s.get("position"),
-            "whole": s.get("whole"),
-            "diverged": s.get("diverged") if p.alive else None,
-            "following": s.get("following"),
-            "restarts": p.restarts,
-        }
+    def _member(self, p: Proc, record: ElectionRecord | None, lag: MemberReport) -> ClusterMember:
+        alive = p.alive
+        s = ReplicationStatus.model_validate(p.status) if alive and p.status else None
+        return ClusterMember(
+            node=p.node,
+            pid=p.process.pid if alive and p.process is not None else None,
+            amqp_port=p.amqp_port,
+            admin_port=p.admin_port,
+            replication_port=p.replication_port,
+            tls_port=p.tls_port,
+            role=s.role if s is not None else "down",
+            epoch=s.epoch if s is not None else None,
+            position=s.position if s is not None else None,
+            whole=s.whole if s is not None else None,
+            diverged=s.diverged if s is not None else None,
+            following=s.following if s is not None else None,
+            restarts=p.restarts,
+            lag_records=lag.lag_records,
+            lag_seconds=lag.lag_seconds,
+            in_isr=record is not None and p.node in record.isr,
+        )
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ClusterStatus:
         record = self.observer.record if self.observer is not None else None
-        primary_status: dict[str, Any] = {}
+        lags: dict[str, MemberReport] = {}
         if record is not None and record.holder in self.procs:
-            primary_status = self.procs[record.holder].status
-        lags = primary_status.get("members") or {}
-        members = []
-        for n, p in self.procs.items():
-            m = self._member(p)
-            lag = lags.get(n, {})
-            m["lag_records"] = lag.get("lag_records", 0)
-            m["lag_seconds"] = lag.get("lag_seconds", 0.0)
-            m["in_isr"] = record is not None and n in record.isr
-            members.append(m)
-        return {
-            "epoch": record.epoch if record is not None else 0,
-            "primary": record.holder if record is not None else None,
-            "isr": sorted(record.isr) if record is not None else [],
-            "serving": self.front.target is not None,
-            "front": {
-                "host": self.front.host,
-                "port": self.front.port,
-                "tls_port": self.front.tls_port,
-            },
-            "held_connections": len(self.front.held),
-            "last_decision": (
-                self.controller.last.reason
-                if self.controller is not None and self.controller.last
+            lags = ReplicationStatus.model_validate(self.procs[record.holder].status).members
+        controller = self.controller
+        return ClusterStatus(
+            epoch=record.epoch if record is not None else 0,
+            primary=record.holder if record is not None else None,
+            isr=sorted(record.isr) if record is not None else [],
+            serving=self.front.target is not None,
+            front=FrontAddress(
+                host=self.front.host, port=self.front.port, tls_port=self.front.tls_port
+            ),
+            held_connections=len(self.front.held),
+            last_decision=(
+                controller.last.reason if controller is not None and controller.last else None
+            ),
+            last_change=(
+                controller.last_change.reason
+                if controller is not None and controller.last_change
                 else None
             ),
-            "last_change": (
-                self.controller.last_change.reason
-                if self.controller is not None and self.controller.last_change
-                else None
-            ),
-            "members": members,
-        }
+            members=[
+                self._member(p, record, lags.get(n) or MemberReport())
+                for n, p in self.procs.items()
+            ],
+        )
 
     def _app(self) -> web.Application:
         async def cluster(request: web.Request) -> web.Response:
-            return web.json_response(self.describe())
+            return web.json_response(self.describe().publish())
 
         async def switchover(request: web.Request) -> web.Response:
             body: dict[str, Any] = {}

@@ -36,6 +36,7 @@ from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.replication import core, wire
 from tandem.broker.replication.log import BrokerLog
+from tandem.broker.status import MemberReport, ReplicationStatus
 from tandem.broker.store.log import Store
 from tandem.ha import fencing
 from tandem.ha.model import ElectionRecord, Role
@@ -227,13 +228,13 @@ class Member:
 
     # -- the controller's commands --
 
-    def fence(self, epoch: int) -> dict[str, Any]:
+    def fence(self, epoch: int) -> ReplicationStatus:
         return self._control(core.Fence(epoch))
 
-    def promote(self, record: ElectionRecord) -> dict[str, Any]:
+    def promote(self, record: ElectionRecord) -> ReplicationStatus:
         return self._control(core.Promote(record))
 
-    def inform(self, record: ElectionRecord, why: str = "") -> dict[str, Any]:
+    def inform(self, record: ElectionRecord, why: str = "") -> ReplicationStatus:
         """The record's ISR and tracked set; `why` is the controller's reason for the
         change, which the publishers hear if the ISR is now below its minimum."""
         if why and record.version > self.replica.applied_version:
@@ -242,7 +243,7 @@ class Member:
 
     def follow(
         self, primary: str, epoch: int, address: tuple[str, int], amqp: str | None = None
-    ) -> dict[str, Any]:
+    ) -> ReplicationStatus:
         before = self.replica.following
         answer = self._control(core.Follow(primary, epoch))
         if self.replica.following == primary:
@@ -252,7 +253,7 @@ class Member:
                 self._start_link(primary, address)
         return answer
 
-    def _control(self, msg: core.ControlMessage) -> dict[str, Any]:
+    def _control(self, msg: core.ControlMessage) -> ReplicationStatus:
         if isinstance(msg, core.Promote | core.Inform):
             self.renewed = time.monotonic()
             if self.lapsed:
@@ -543,25 +544,25 @@ class Member:
 
     # -- what /status shows --
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> ReplicationStatus:
         r = self.replica
-        out: dict[str, Any] = {
-            "role": r.role.value,
-            "epoch": r.epoch,
-            "position": self.log.end,
-            "last_epoch": self.log.last_epoch,
-            "whole": self.log.whole,
-            "diverged": self.log.diverged,
-            "following": r.following,
-            "synced": r.synced,
-            "cluster": self.state.cluster,
-            "replication_port": self.port,
-            "refused": self.refused,
-            "failovers": self.failovers,
-            "catch_up_bytes": self.caught_up_bytes,
-            "replication_rtt_seconds": round(self.rtt, 6),
-            "lease_lapsed": self.lapsed,
-        }
+        out = ReplicationStatus(
+            role=r.role.value,
+            epoch=r.epoch,
+            position=self.log.end,
+            last_epoch=self.log.last_epoch,
+            whole=self.log.whole,
+            diverged=self.log.diverged,
+            following=r.following,
+            synced=r.synced,
+            cluster=self.state.cluster,
+            replication_port=self.port,
+            refused=self.refused,
+            failovers=self.failovers,
+            catch_up_bytes=self.caught_up_bytes,
+            replication_rtt_seconds=round(self.rtt, 6),
+            lease_lapsed=self.lapsed,
+        )
         if r.role is Role.PRIMARY:
             members = {}
             for n in sorted(set(r.peers) | r.isr | r.tracking):
@@ -569,21 +570,16 @@ class Member:
                     continue
                 caught_up, waited, lag = r.report(n)
                 acked = r.acked.get(n)
-                members[n] = {
-                    "connected": n in self.peers,
-                    "caught_up": caught_up,
-                    "waited": waited,
-                    "lag_records": lag,
-                    "lag_seconds": round(self.log.age(acked or 0), 3) if lag else 0.0,
-                }
-            out.update(
-                isr=sorted(r.isr),
-                tracking=sorted(r.tracking),
-                applied_version=r.applied_version,
-                confirmed=r.confirmed,
-                accepting=r.accepting,
-                members=members,
-            )
+                members[n] = MemberReport(
+                    connected=n in self.peers,
+                    caught_up=caught_up,
+                    waited=waited,
+                    lag_records=lag,
+                    lag_seconds=round(self.log.age(acked or 0), 3) if lag else 0.0,
+                )
+            out.isr, out.tracking = sorted(r.isr), sorted(r.tracking)
+            out.applied_version, out.confirmed = r.applied_version, r.confirmed
+            out.accepting, out.members = r.accepting, members
         return out
 
 
