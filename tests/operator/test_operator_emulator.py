@@ -790,6 +790,15 @@ async def test_deleting_a_cluster_deletes_its_claims_when_retention_says_so(
     # The election record goes with the data it describes, and stays with kept data.
     assert await api.get(f"{LEASE_PATH}/drop") is None
     assert (await api.get(f"{LEASE_PATH}/keep"))["spec"]["leaseTransitions"] == 4
+    # So does the key the kept stores were made with, out of the garbage collector's reach.
+    deadline = time.monotonic() + 30
+    while await api.get(f"{BC_PATH}/keep") is not None:  # its finalizer runs
+        assert time.monotonic() < deadline, "the kept cluster was not deleted"
+        await asyncio.sleep(0.1)  # polling the emulator's state
+    secrets = f"/api/v1/namespaces/{NS}/secrets"
+    kept = await api.get(f"{secrets}/keep-cluster-key")
+    assert kept is not None and not kept["metadata"].get("ownerReferences"), kept
+    assert await api.get(f"{secrets}/drop-cluster-key") is None
 
 
 async def put_lease(api: Api, name: str, epoch: int) -> None:

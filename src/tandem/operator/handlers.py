@@ -366,10 +366,21 @@ async def deleted(
 ) -> None:
     name, namespace = _where(name, namespace)
     retention = (spec.get("storage") or {}).get("retention", "Retain")
-    if retention != "Delete":
-        log.info("%s/%s deleted; its volume claims are kept (retention Retain)", namespace, name)
-        return
     kube: Kube = memo.kube
+    key = f"{name}-cluster-key"
+    if retention != "Delete":
+        # The data stays, and what it needs with it: the Lease (never owned) and the key the
+        # members' stores were made with, taken out of the garbage collector's reach. A
+        # BrokerCluster made again under this name resumes on all three.
+        await kube.patch("v1", "Secret", namespace, key, {"metadata": {"ownerReferences": None}})
+        log.info(
+            "%s/%s deleted; its volume claims, Lease and %s are kept (retention Retain)",
+            namespace,
+            name,
+            key,
+        )
+        return
+    await kube.delete("v1", "Secret", namespace, key)  # kept by an earlier Retain, perhaps
     claims = await kube.list("v1", "PersistentVolumeClaim", namespace, builders.selector(name))
     for claim in claims:
         await kube.delete("v1", "PersistentVolumeClaim", namespace, claim["metadata"]["name"])
