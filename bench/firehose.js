@@ -1,21 +1,49 @@
-// Firehose: publisher connections and one consumer connection, 100-byte messages.
-// usage: node bench/firehose.js URL transient|persistent|quorum COUNT [PUBLISHERS]
-// quorum: persistent messages with confirms on a durable queue declared x-queue-type=quorum
-// (a replicated queue on RabbitMQ; on Tandem every queue is replicated by default).
-// Prints one JSON line: {mode, count, publishers, seconds, rate, received}. Exits non-zero if
-// any message is missing, duplicated or out of order (per publisher).
+// Firehose: publisher connections and consumer connections, one workload, one JSON line.
+// usage: node bench/firehose.js URL transient|persistent|quorum COUNT [PUBLISHERS] [OPTION=VALUE...]
+//   size=BYTES      message body size (default 100)
+//   ack=1|N         the consumer acks each message (1), or with `multiple` every N (default 1)
+//   window=N        a publisher waits while N of its publishes are unconfirmed (default: none,
+//                   only the socket's backpressure); persistent and quorum modes only
+//   fanout=Q        publish to a fanout exchange bound to Q queues, each consumed (COUNT x Q
+//                   deliveries)
+//   pairs=P         P publisher and consumer connections, each pair on its own queue (the
+//                   publishers argument is then P)
+//   topic=B         publish to a topic exchange with B pattern bindings (`k.<i>.#`), each to its
+//                   own queue, routing keys taking turns so that each message lands in one queue
+// quorum: persistent messages with confirms on durable queues declared x-queue-type=quorum
+// (replicated on RabbitMQ; on Tandem every queue is replicated by default).
+// Prints {mode, count, publishers, seconds, rate, received, bad, ...options}; rate counts
+// published messages per second, end to end (the last one consumed). Exits non-zero if any
+// delivery is missing, duplicated or out of order (per publisher and queue).
 'use strict';
 const amqp = require('amqplib');
 
+function options(args) {
+  const out = { size: 100, ack: 1, window: 0, fanout: 0, pairs: 0, topic: 0 };
+  for (const arg of args) {
+    const [key, value] = arg.split('=');
+    if (!(key in out) || value === undefined || Number.isNaN(Number(value))) {
+      console.error(`unknown option ${arg}`);
+      process.exit(2);
+    }
+    out[key] = Number(value);
+  }
+  return out;
+}
+
 async function main() {
-  const [url, mode, countArg] = process.argv.slice(2);
+  const [url, mode, countArg, publishersArg, ...rest] = process.argv.slice(2);
   const count = Number(countArg);
-  const publishers = Number(process.argv[5] || 1);
+  const opt = options(rest);
+  const publishers = opt.pairs || Number(publishersArg || 1);
   const persistent = mode === 'persistent' || mode === 'quorum';
-  const queue = `firehose-${mode}-${process.pid}-${Date.now()}`;
+  const tag = `firehose-${mode}-${process.pid}-${Date.now()}`;
+  const queueCount = opt.fanout || opt.topic || opt.pairs || 1;
+  const queues = Array.from({ length: queueCount }, (_, i) => `${tag}-${i}`);
   const pubConns = [];
   for (let p = 0; p < publishers; p++) pubConns.push(await amqp.connect(url));
-  const subConn = await amqp.connect(url);
+  const subConns = [];
+  for (let c = 0; c < (opt.pairs || 1); c++) subConns.push(await amqp.connect(url));
   // A connection or channel the broker closes mid-run fails the run loudly: otherwise the
   // pending promises would never settle and node would exit 0 with nothing printed.
   let finishing = false;
@@ -24,55 +52,89 @@ async function main() {
     emitter.on('close', () => { if (!finishing) { console.error(`${what} closed mid-run`); process.exit(3); } });
   };
   pubConns.forEach((c, i) => watch(`publisher connection ${i}`, c));
-  watch('consumer connection', subConn);
-  const sub = await subConn.createChannel();
-  const options = mode === 'quorum'
+  subConns.forEach((c, i) => watch(`consumer connection ${i}`, c));
+  const subs = [];
+  for (const c of subConns) {
+    const ch = await c.createChannel();
+    watch('consumer channel', ch);
+    await ch.prefetch(Math.max(1000, opt.ack * 2));
+    subs.push(ch);
+  }
+  const declare = mode === 'quorum'
     ? { durable: true, arguments: { 'x-queue-type': 'quorum' } }
     : persistent ? { durable: true } : { durable: false, autoDelete: true };
-  await sub.assertQueue(queue, options);
-  await sub.prefetch(1000);
+  for (const q of queues) await subs[0].assertQueue(q, declare);
+  let exchange = '';
+  if (opt.fanout || opt.topic) {
+    exchange = tag;
+    await subs[0].assertExchange(exchange, opt.fanout ? 'fanout' : 'topic', { durable: persistent, autoDelete: !persistent });
+    for (let i = 0; i < queues.length; i++) {
+      await subs[0].bindQueue(queues[i], exchange, opt.fanout ? '' : `k.${i}.#`);
+    }
+  }
   const pubs = [];
   for (const c of pubConns) pubs.push(persistent ? await c.createConfirmChannel() : await c.createChannel());
   pubs.forEach((ch, i) => watch(`publisher channel ${i}`, ch));
-  watch('consumer channel', sub);
-  const body = Buffer.alloc(100, 'x');
+  const body = Buffer.alloc(Math.max(opt.size, 8), 'x');
 
+  const total = opt.fanout ? count * queues.length : count;
   let received = 0;
-  const expected = new Array(publishers).fill(0);
   let bad = 0;
+  const expected = new Map(); // `${queue}/${publisher}` -> next number
   let resolveDone;
   const done = new Promise((r) => { resolveDone = r; });
-  await sub.consume(queue, (msg) => {
-    if (msg === null) return; // cancelled by the broker when the queue is deleted
-    const n = msg.content.readUInt32BE(0);
-    const p = msg.content.readUInt16BE(4);
-    if (n !== expected[p]) bad++;
-    expected[p] = n + 1;
-    received++;
-    sub.ack(msg);
-    if (received === count) resolveDone();
-  });
+  const unacked = subs.map(() => 0); // per channel: `multiple` acks all of a channel's
+  for (let i = 0; i < queues.length; i++) {
+    const c = opt.pairs ? i : 0;
+    const ch = subs[c];
+    await ch.consume(queues[i], (msg) => {
+      if (msg === null) return; // cancelled by the broker when the queue is deleted
+      const n = msg.content.readUInt32BE(0);
+      const key = `${i}/${msg.content.readUInt16BE(4)}`;
+      // Per publisher, a queue's messages come in order; with topic routing, a publisher's
+      // messages are spread over the queues, so only an increase is required there.
+      const want = expected.get(key) || 0;
+      if (opt.topic ? n < want : n !== want) bad++;
+      expected.set(key, n + 1);
+      received++;
+      if (opt.ack <= 1) ch.ack(msg);
+      else if (++unacked[c] === opt.ack || received === total) { ch.ack(msg, true); unacked[c] = 0; }
+      if (received === total) resolveDone();
+    });
+  }
 
   const start = process.hrtime.bigint();
   let confirmed = 0;
-  let confirmsDone = persistent ? null : Promise.resolve();
   let resolveConfirms;
-  if (persistent) confirmsDone = new Promise((r) => { resolveConfirms = r; });
-  const onConfirm = (err) => {
-    if (err) bad++;
-    confirmed++;
-    if (confirmed === count) resolveConfirms();
-  };
+  const confirmsDone = persistent ? new Promise((r) => { resolveConfirms = r; }) : Promise.resolve();
   const publish = async (p) => {
     const pub = pubs[p];
     const share = Math.floor(count / publishers) + (p < count % publishers ? 1 : 0);
+    let outstanding = 0;
+    let wake = null;
+    const onConfirm = (err) => {
+      if (err) bad++;
+      confirmed++;
+      outstanding--;
+      if (wake) { const w = wake; wake = null; w(); }
+      if (confirmed === count) resolveConfirms();
+    };
     for (let i = 0; i < share; i++) {
       const b = Buffer.from(body);
       b.writeUInt32BE(i, 0);
       b.writeUInt16BE(p, 4);
-      const ok = persistent
-        ? pub.sendToQueue(queue, b, { persistent: true }, onConfirm)
-        : pub.sendToQueue(queue, b);
+      const target = opt.pairs ? queues[p] : queues[0];
+      const key = opt.topic ? `k.${i % queues.length}.x` : target;
+      let ok;
+      if (persistent) {
+        if (opt.window) {
+          while (outstanding >= opt.window) await new Promise((r) => { wake = r; });
+        }
+        outstanding++;
+        ok = pub.publish(exchange, exchange ? key : target, b, { persistent: true }, onConfirm);
+      } else {
+        ok = pub.publish(exchange, exchange ? key : target, b);
+      }
       if (!ok) await new Promise((r) => pub.once('drain', r));
     }
   };
@@ -80,11 +142,12 @@ async function main() {
   await Promise.all([done, confirmsDone]);
   const seconds = Number(process.hrtime.bigint() - start) / 1e9;
   finishing = true;
-  await sub.deleteQueue(queue);
+  for (const q of queues) await subs[0].deleteQueue(q);
+  if (exchange) await subs[0].deleteExchange(exchange);
   for (const c of pubConns) await c.close();
-  await subConn.close();
-  console.log(JSON.stringify({ mode, count, publishers, seconds, rate: count / seconds, received, bad }));
-  if (bad || received !== count) process.exit(1);
+  for (const c of subConns) await c.close();
+  console.log(JSON.stringify({ mode, count, publishers, seconds, rate: count / seconds, received, bad, ...opt }));
+  if (bad || received !== total) process.exit(1);
 }
 
 // Nothing left to wait for, yet no result: a promise that can no longer settle (a frame the

@@ -1,14 +1,24 @@
 """Firehose: Tandem against RabbitMQ, same client (amqplib), same machine, one run.
 
-    python bench/firehose.py [--runs 5] [--rss-count 1000000] [--rabbitmq-url URL]
-                             [--against TREE]
+    python bench/firehose.py [--runs 5] [--workloads NAME,...] [--rss-count 1000000]
+                             [--rabbitmq-url URL] [--against TREE]
 
-(a) 100,000 transient 100-byte messages without confirms, (b) 50,000 persistent messages on a
-durable queue with publisher confirms, from one publisher and (c) from ten publisher
-connections at once; one warm-up each, then RUNS runs alternating Tandem and RabbitMQ; medians
-and the ratio Tandem/RabbitMQ. Then the RSS of each broker after 1,000,000
-transient 100-byte messages are queued and confirmed. RabbitMQ is started with
-`rabbitmq-server -detached` if nothing answers on its URL. Every message is checked to arrive.
+The workloads (WORKLOADS below; `--workloads` picks some), each with one warm-up, then RUNS
+runs alternating Tandem and RabbitMQ; medians and the ratio Tandem/RabbitMQ:
+
+- transient: 100-byte messages without confirms, one publisher, one consumer;
+- persistent: 100-byte persistent messages on a durable queue, publisher confirms;
+- fanout-8: transient, to a fanout exchange bound to 8 queues, each consumed;
+- pairs-4: transient, 4 publisher/consumer pairs, each on its own queue;
+- topic-50: transient, to a topic exchange with 50 pattern bindings (one queue each);
+- each of those five with the consumer acking one by one (most consumers) and, as `-batched`,
+  with `multiple` every 500 (fast consumers): ratios are claimed only per pattern measured;
+- persistent-64k: 64 KiB persistent messages with confirms;
+- persistent-10: ten publisher connections of persistent messages with confirms.
+
+Then the RSS of each broker after 1,000,000 transient 100-byte messages are queued and
+confirmed. RabbitMQ is started with `rabbitmq-server -detached` if nothing answers on its URL.
+Every message is checked to arrive, once and in order.
 
 RabbitMQ is paused (SIGSTOP) while Tandem runs, so each broker is alone on the machine; each
 run prints the broker's CPU time per message. `--against TREE` also runs Tandem from another
@@ -34,6 +44,20 @@ from urllib.parse import urlparse
 import alone
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# name: (firehose.js mode, messages, publishers, options)
+WORKLOADS: dict[str, tuple[str, int, int, tuple[str, ...]]] = {}
+for _name, _mode, _count, _pubs, _opts in (
+    ("transient", "transient", 100_000, 1, ()),
+    ("persistent", "persistent", 50_000, 1, ()),
+    ("fanout-8", "transient", 20_000, 1, ("fanout=8",)),
+    ("pairs-4", "transient", 100_000, 4, ("pairs=4",)),
+    ("topic-50", "transient", 100_000, 1, ("topic=50",)),
+):
+    WORKLOADS[_name] = (_mode, _count, _pubs, _opts)
+    WORKLOADS[f"{_name}-batched"] = (_mode, _count, _pubs, (*_opts, "ack=500"))
+WORKLOADS["persistent-64k"] = ("persistent", 5_000, 1, ("size=65536",))
+WORKLOADS["persistent-10"] = ("persistent", 50_000, 10, ())
 
 
 def node(script: str, *args: str, timeout: float = 600) -> dict[str, object]:
@@ -133,7 +157,7 @@ def main() -> int:
     ap.add_argument("--rabbitmq-url", default="amqp://guest:guest@127.0.0.1:5672")
     ap.add_argument("--against", metavar="TREE", help="also run Tandem from this source tree")
     ap.add_argument(
-        "--modes", default="transient,persistent,persistent-10", help="which of the three"
+        "--workloads", "--modes", default=",".join(WORKLOADS), help="a comma-separated subset"
     )
     args = ap.parse_args()
     started = ensure_rabbitmq(args.rabbitmq_url)
@@ -143,33 +167,30 @@ def main() -> int:
         tandems["tandem@before"] = Tandem(alone.source_env(args.against))
     brokers = {name: t.url for name, t in tandems.items()} | {"rabbitmq": args.rabbitmq_url}
     pids = {name: [t.proc.pid] for name, t in tandems.items()} | {"rabbitmq": rabbit}
-    modes = {
-        "transient": ("100000", "1"),
-        "persistent": ("50000", "1"),
-        "persistent-10": ("50000", "10"),
-    }
-    modes = {m: modes[m] for m in args.modes.split(",")}
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        raise SystemExit(f"no workload {', '.join(sorted(unknown))}; known: {', '.join(WORKLOADS)}")
+    modes = {m: WORKLOADS[m] for m in args.workloads.split(",")}
     print(f"machine: {os.cpu_count()} cores; client: amqplib; runs: {args.runs}")
     try:
         results: dict[tuple[str, str], list[float]] = {}
         costs: dict[tuple[str, str], list[float]] = {}
-        for mode, (count, publishers) in modes.items():
-            kind = mode.split("-")[0]
+        for mode, (kind, count, publishers, options) in modes.items():
             for run in range(-1, args.runs):  # run -1: the warm-up
                 for name, url in brokers.items():
                     idle = [] if name == "rabbitmq" else rabbit
                     with alone.paused(idle):
                         cpu = alone.cpu_seconds(pids[name])
-                        r = node("firehose.js", url, kind, count, publishers)
+                        r = node("firehose.js", url, kind, str(count), str(publishers), *options)
                         cpu = alone.cpu_seconds(pids[name]) - cpu
                     if run < 0:
                         continue
                     rate = float(r["rate"])  # type: ignore[arg-type]
                     results.setdefault((name, mode), []).append(rate)
-                    us = cpu / int(count) * 1e6
+                    us = cpu / count * 1e6
                     costs.setdefault((name, mode), []).append(us)
                     print(
-                        f"  {mode:13} run {run + 1} {name:14} {rate:9.0f} msg/s "
+                        f"  {mode:18} run {run + 1} {name:14} {rate:9.0f} msg/s "
                         f"{us:6.1f} µs CPU/msg",
                         flush=True,
                     )
@@ -217,18 +238,18 @@ def report(
     head = "".join(f"{b:>15}" for b in brokers)
     ratios = "".join(f"{b + '/rmq':>18}" for b in tandems)
     change = f"{'after/before':>14}" if "tandem@before" in tandems else ""
-    print(f"{'mode':15}{head}{ratios}{change}   (median msg/s)")
+    print(f"{'workload':20}{head}{ratios}{change}   (median msg/s)")
     for mode in modes:
         med = {b: statistics.median(results[(b, mode)]) for b in brokers}
-        line = f"{mode:15}" + "".join(f"{med[b]:15.0f}" for b in brokers)
+        line = f"{mode:20}" + "".join(f"{med[b]:15.0f}" for b in brokers)
         line += "".join(f"{med[b] / med['rabbitmq']:18.2f}" for b in tandems)
         if change:
             line += f"{med['tandem'] / med['tandem@before']:14.3f}"
         print(line)
-    print(f"{'mode':15}" + "".join(f"{b:>15}" for b in brokers) + "   (median µs CPU/msg)")
+    print(f"{'workload':20}" + "".join(f"{b:>15}" for b in brokers) + "   (median µs CPU/msg)")
     for mode in modes:
         print(
-            f"{mode:15}" + "".join(f"{statistics.median(costs[(b, mode)]):15.1f}" for b in brokers)
+            f"{mode:20}" + "".join(f"{statistics.median(costs[(b, mode)]):15.1f}" for b in brokers)
         )
 
 

@@ -1,11 +1,14 @@
 """Replicated firehose: a 3-member Tandem cluster against a quorum queue on a 3-node RabbitMQ,
 same client (amqplib), same machine, one run.
 
-    python bench/replicated.py [--runs 5] [--count 50000] [--against TREE]
+    python bench/replicated.py [--runs 5] [--count 50000] [--windows none,1,100,1000]
+                               [--publishers 1,10] [--against TREE]
 
 Persistent 100-byte messages with publisher confirms on a durable queue declared
 `x-queue-type: quorum` (on Tandem every queue is replicated `all`, so the same declaration is
-a replicated queue there), from one publisher connection and from ten; one warm-up each, then
+a replicated queue there), a consumer running, from one publisher connection and from ten,
+each publisher keeping at most WINDOW publishes unconfirmed (`none`: only the socket's
+backpressure); one warm-up each, then
 RUNS runs alternating Tandem and RabbitMQ; medians and the ratio Tandem/RabbitMQ. The client
 connects to Tandem's front port and to RabbitMQ's first node (the queue's leader, as it is
 declared there). Every message is checked to arrive once and in order. RabbitMQ's nodes are
@@ -33,6 +36,8 @@ def main() -> int:
         default="1.0",
         help="Tandem's (the default's, 1 s, once failed over spuriously under this load)",
     )
+    ap.add_argument("--windows", default="none,1,100,1000", help="confirm windows")
+    ap.add_argument("--publishers", default="1,10", help="publisher connections")
     args = ap.parse_args()
     extra = ("--failover-delay", args.failover_delay)
     tandems = {"tandem": TandemCluster(3, None, *extra)}
@@ -51,27 +56,33 @@ def main() -> int:
         print("rabbitmq's nodes are paused (SIGSTOP) while a tandem cluster runs")
         results: dict[tuple[str, str], list[float]] = {}
         costs: dict[tuple[str, str], list[float]] = {}
-        modes = ("1", "10")
-        for publishers in modes:
+        modes = [
+            (f"{p} pub, window {w}", p, w)
+            for p in args.publishers.split(",")
+            for w in args.windows.split(",")
+        ]
+        for mode, publishers, window in modes:
+            count = args.count if window not in ("1",) else args.count // 10  # one at a time
+            options = () if window == "none" else (f"window={window}",)
             for run in range(-1, args.runs):  # run -1: the warm-up
                 for name, url in urls.items():
                     with alone.paused([] if name == "rabbitmq" else rabbit.pids):
                         cpu = alone.cpu_seconds(pids[name])
-                        r = node("firehose.js", url, "quorum", str(args.count), publishers)
+                        r = node("firehose.js", url, "quorum", str(count), publishers, *options)
                         cpu = alone.cpu_seconds(pids[name]) - cpu
                     if run < 0:
                         continue
                     rate = float(r["rate"])  # type: ignore[arg-type]
-                    us = cpu / args.count * 1e6
-                    results.setdefault((name, publishers), []).append(rate)
-                    costs.setdefault((name, publishers), []).append(us)
+                    us = cpu / count * 1e6
+                    results.setdefault((name, mode), []).append(rate)
+                    costs.setdefault((name, mode), []).append(us)
                     print(
-                        f"  {publishers:>2} publishers run {run + 1} {name:14} {rate:9.0f} msg/s "
+                        f"  {mode:20} run {run + 1} {name:14} {rate:9.0f} msg/s "
                         f"{us:6.1f} µs CPU/msg (all members)",
                         flush=True,
                     )
         print()
-        report(list(urls), list(modes), results, costs)
+        report(list(urls), [m for m, _, _ in modes], results, costs)
     finally:
         for t in tandems.values():
             t.stop()
