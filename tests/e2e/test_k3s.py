@@ -671,6 +671,9 @@ def test_a_cluster_deleted_with_its_claims_kept_and_made_again_resumes_on_its_da
     try:
         make(name, storage={"size": "1Gi", "retention": "Delete"})
         running(name, 3)
-        load.check("delete and make again, claims kept")  # the messages of the first life
+        again = Load(name)  # the Service is new (its address), the user the same
+        assert again.params.credentials.password == load.params.credentials.password
+        again.confirmed = load.confirmed  # the messages of the first life
+        again.check("delete and make again, claims kept")
     finally:
         drop(name)

@@ -796,9 +796,10 @@ async def test_deleting_a_cluster_deletes_its_claims_when_retention_says_so(
         assert time.monotonic() < deadline, "the kept cluster was not deleted"
         await asyncio.sleep(0.1)  # polling the emulator's state
     secrets = f"/api/v1/namespaces/{NS}/secrets"
-    kept = await api.get(f"{secrets}/keep-cluster-key")
-    assert kept is not None and not kept["metadata"].get("ownerReferences"), kept
-    assert await api.get(f"{secrets}/drop-cluster-key") is None
+    for secret in ("cluster-key", "default-user"):  # ... and the user the stores hold
+        kept = await api.get(f"{secrets}/keep-{secret}")
+        assert kept is not None and not kept["metadata"].get("ownerReferences"), kept
+        assert await api.get(f"{secrets}/drop-{secret}") is None
 
 
 async def put_lease(api: Api, name: str, epoch: int) -> None:

@@ -367,20 +367,23 @@ async def deleted(
     name, namespace = _where(name, namespace)
     retention = (spec.get("storage") or {}).get("retention", "Retain")
     kube: Kube = memo.kube
-    key = f"{name}-cluster-key"
+    kept = (f"{name}-cluster-key", f"{name}-default-user")
     if retention != "Delete":
-        # The data stays, and what it needs with it: the Lease (never owned) and the key the
-        # members' stores were made with, taken out of the garbage collector's reach. A
-        # BrokerCluster made again under this name resumes on all three.
-        await kube.patch("v1", "Secret", namespace, key, {"metadata": {"ownerReferences": None}})
+        # The data stays, and what it needs with it: the Lease (never owned), the key the
+        # members' stores were made with and the generated user they hold, taken out of the
+        # garbage collector's reach. A BrokerCluster made again under this name resumes on
+        # them, and its clients' credentials still work.
+        for secret in kept:
+            orphan = {"metadata": {"ownerReferences": None}}
+            await kube.patch("v1", "Secret", namespace, secret, orphan)
         log.info(
-            "%s/%s deleted; its volume claims, Lease and %s are kept (retention Retain)",
+            "%s/%s deleted; its volume claims, Lease and Secrets are kept (retention Retain)",
             namespace,
             name,
-            key,
         )
         return
-    await kube.delete("v1", "Secret", namespace, key)  # kept by an earlier Retain, perhaps
+    for secret in kept:  # kept by an earlier Retain, perhaps
+        await kube.delete("v1", "Secret", namespace, secret)
     claims = await kube.list("v1", "PersistentVolumeClaim", namespace, builders.selector(name))
     for claim in claims:
         await kube.delete("v1", "PersistentVolumeClaim", namespace, claim["metadata"]["name"])
