@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
+
+import pytest
 
 from tandem.broker.model import apply, records
 from tandem.broker.model.broker import Broker
@@ -86,3 +89,30 @@ def test_recovery_drops_a_transaction_a_crash_cut_short(tmp_path: Path) -> None:
     assert seq.offset == 3 and result.truncated
     assert seg.stat().st_size == len(records.frame(records.DEFINE, 1, 1, define)) + len(whole)
     apply.done(broker)
+
+
+def test_a_batch_written_by_writev_survives_short_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch goes to the kernel from the records' own buffers (no join); a writev that
+    takes only part (a full disk's last bytes, a signal) is continued where it stopped."""
+    from tandem.broker.store import log as log_mod
+
+    real = os.writev
+    calls = []
+
+    def short(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        first = bytes(buffers[0])[:7] if buffers[0] else b""
+        return real(fd, [first]) if first else 0
+
+    monkeypatch.setattr(log_mod.os, "writev", short)
+    parts = [b"a" * 20, b"", b"bc", bytes(range(256)) * 3]
+    path = tmp_path / "segment"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        log_mod._write_all(fd, parts)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(parts)
+    assert len(calls) > len(parts)  # it was continued, not given up

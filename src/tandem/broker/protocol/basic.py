@@ -100,7 +100,8 @@ def get(conn: Connection, ch: Channel, m: commands.Basic.Get) -> None:
         + msg.route
         + len(q.messages).to_bytes(4, "big")
     )
-    parts = [FRAME_HDR.pack(1, ch.number, len(payload)), payload, FRAME_END_BYTE]
+    parts: list[bytes | memoryview] = [FRAME_HDR.pack(1, ch.number, len(payload)), payload]
+    parts.append(FRAME_END_BYTE)
     parts += frames.content_frames(ch.number, msg.props, msg.body, msg.body_size, conn.frame_max)
     conn.reply_bytes(ch, b"".join(parts))
 
@@ -355,7 +356,8 @@ def return_message(conn: Connection, ch: Channel, msg: Message, code: int, text:
         + message_mod.encode_shortstr(text)
         + msg.route
     )
-    parts = [FRAME_HDR.pack(1, ch.number, len(payload)), payload, FRAME_END_BYTE]
+    parts: list[bytes | memoryview] = [FRAME_HDR.pack(1, ch.number, len(payload)), payload]
+    parts.append(FRAME_END_BYTE)
     parts += frames.content_frames(ch.number, msg.props, msg.body, msg.body_size, conn.frame_max)
     conn.write(b"".join(parts))
 

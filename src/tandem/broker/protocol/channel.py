@@ -130,7 +130,7 @@ class Channel:
         route = msg.route
         ctag = consumer.tag_enc
         msize = 13 + len(ctag) + len(route)
-        parts = [
+        parts: list[bytes | memoryview] = [
             METHOD_HDR.pack(1, ch, msize, 60, 60),
             ctag,
             U64_U8.pack(tag, msg.redelivered),

@@ -230,7 +230,8 @@ class Connection:
                         raise errors.FrameError(f"content header of {size} bytes is too short")
                     basic.content_header(self, ch, buf, start, end)
                 elif ftype == 3:
-                    basic.content_body(self, ch, bytes(buf[start:end]))
+                    # One copy out of the read buffer (a slice of a bytearray would be two).
+                    basic.content_body(self, ch, bytes(memoryview(buf)[start:end]))
                 elif ftype == 8:
                     if ch != 0:
                         raise errors.FrameError("heartbeat frame on a non-zero channel")

@@ -62,9 +62,10 @@ def decode_method(class_id: int, method_id: int, payload: bytes) -> Any:
 
 def content_frames(
     channel: int, props: bytes, body: bytes | list[bytes], body_size: int, frame_max: int
-) -> list[bytes]:
-    """The header and body frames for a message (used outside the single-chunk fast path)."""
-    out = [
+) -> list[bytes | memoryview]:
+    """The header and body frames for a message (used outside the single-chunk fast path);
+    a body longer than a frame is cut as views of it, copied once when the frames are joined."""
+    out: list[bytes | memoryview] = [
         CONTENT_HDR.pack(FRAME_HEADER, channel, 12 + len(props), BASIC, 0, body_size),
         props,
         FRAME_END_BYTE,
@@ -79,7 +80,7 @@ def content_frames(
         view = memoryview(chunk)
         for start in range(0, len(chunk), limit):
             piece = view[start : start + limit]
-            out += (FRAME_HDR.pack(FRAME_BODY, channel, len(piece)), bytes(piece), FRAME_END_BYTE)
+            out += (FRAME_HDR.pack(FRAME_BODY, channel, len(piece)), piece, FRAME_END_BYTE)
     return out
 
 
