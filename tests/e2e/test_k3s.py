@@ -677,3 +677,49 @@ def test_a_cluster_deleted_with_its_claims_kept_and_made_again_resumes_on_its_da
         again.check("delete and make again, claims kept")
     finally:
         drop(name)
+
+
+@pytest.mark.timeout(2400)
+def test_spec_edits_take_effect_live_and_a_key_edit_is_refused(operator: None) -> None:
+    """Failover settings and the ISR minimum reach the running cluster without a restart (the
+    minimum through the Lease, which the brokers read); a storage edit and an edit of the
+    cluster key are refused with a reason, and publishing goes on through all of it."""
+    name = "edits"
+    with cluster(name) as status, Load(name) as load:
+        selector = f"app.kubernetes.io/instance={name}"
+        uids = "jsonpath={.items[*].metadata.uid}"
+        pods = kubectl("-n", NS, "get", "pods", "-l", selector, "-o", uids)
+        edit = {"spec": {"replication": {"isrMin": 3}, "failover": {"delaySeconds": 3.0}}}
+        kubectl("-n", NS, "patch", "bc", name, "--type", "merge", "-p", json.dumps(edit))
+
+        def isr_min() -> str:
+            return kubectl(
+                *("-n", NS, "get", "lease", name),
+                "-o",
+                "jsonpath={.metadata.annotations.tandem\\.dev/isr-min}",
+            )
+
+        wait(lambda: isr_min() == "3", "the ISR minimum 3 in the Lease", 120)
+        load.more()  # confirmed with the new minimum, on the same pods
+        storage = {"spec": {"storage": {"size": "2Gi"}}}
+        kubectl("-n", NS, "patch", "bc", name, "--type", "merge", "-p", json.dumps(storage))
+
+        def spec_applied() -> str:
+            conditions = bc(name)["status"]["conditions"]
+            return next(c["reason"] for c in conditions if c["type"] == "SpecApplied")
+
+        wait(lambda: spec_applied() == "StorageChangeRefused", "the storage edit refused", 120)
+        secret = f"{name}-cluster-key"
+        key = kubectl("-n", NS, "get", "secret", secret, "-o", "jsonpath={.data.key}")
+        bad = json.dumps({"stringData": {"key": "y" * 32}})
+        kubectl("-n", NS, "patch", "secret", secret, "-p", bad)
+        wait(
+            lambda: kubectl("-n", NS, "get", "secret", secret, "-o", "jsonpath={.data.key}") == key,
+            "the cluster key put back",
+            120,
+        )
+        load.more()
+        assert bc(name)["status"]["epoch"] == status["epoch"]  # no failover, no restart
+        assert kubectl("-n", NS, "get", "pods", "-l", selector, "-o", uids) == pods
+        load.finish()
+        load.check("edit isrMin and the failover delay live; storage and key edits refused")

@@ -852,6 +852,16 @@ async def test_a_deleted_cluster_key_comes_back_with_the_key_the_members_use(
         "the cluster key Secret back",
     )
     assert await kubelet.secret("demo-cluster-key", "key") == before
+    # Edited, it is put back, with an Event that says why: the members keep their key.
+    path = f"/api/v1/namespaces/{NS}/secrets/demo-cluster-key"
+    status, body = await api.call("PATCH", path, {"stringData": {"key": "x" * 32}})
+    assert status == 200, body
+    await api.until(
+        f"/api/v1/namespaces/{NS}/events",
+        lambda o: o.get("reason") == "ClusterKeyChangeRefused",
+        "the refusal",
+    )
+    assert await kubelet.secret("demo-cluster-key", "key") == before
 
 
 @pytest.mark.asyncio

@@ -208,9 +208,22 @@ async def _ensure_cluster_key(
     """The cluster key Secret, made once. Deleted while the cluster runs, it comes back with
     the key the members use (the running loop knows it), never a new random one; if this
     operator does not know it (it restarted since), it is not re-created, and an Event says
-    how to restore it."""
+    how to restore it. Edited while the cluster runs, it is put back: the members
+    authenticate each other with the key they started with, so a new key would leave the
+    operator and every restarted member locked out; a new key needs a new cluster."""
     meta = obj["metadata"]
-    if await kube.get("v1", "Secret", meta["namespace"], meta["name"]) is not None:
+    found = await kube.get("v1", "Secret", meta["namespace"], meta["name"])
+    if found is not None:
+        if loop is not None and _decoded(found).get("key", "").strip() != loop.key:
+            back = {"stringData": {"key": loop.key}}
+            await kube.patch("v1", "Secret", meta["namespace"], meta["name"], back)
+            message = (
+                f"{meta['name']} was edited; put back: the members authenticate each other "
+                "with the key they started with, and it cannot change while they run (a new "
+                "key needs a new cluster)"
+            )
+            log.warning("%s/%s %s", meta["namespace"], meta["name"], message)
+            await kube.event(body, "ClusterKeyChangeRefused", message, "Warning")
         return
     if loop is not None:
         obj = {**obj, "stringData": {"key": loop.key}}
