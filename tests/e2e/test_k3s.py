@@ -394,6 +394,21 @@ def drain(pod: str, timeout: int) -> subprocess.CompletedProcess[str]:
     )
 
 
+def edit(name: str, patch: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """`kubectl patch` of a BrokerCluster's spec, by merge; the caller reads the outcome."""
+    cmd = ["kubectl", "-n", NS, "patch", "bc", name, "--type", "merge", "-p", json.dumps(patch)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=60)
+
+
+def settle(load: Load, name: str, operation: str) -> dict[str, Any]:
+    """After an operation: the cluster running in sync, confirms again, then the check."""
+    status = running(name, 3)
+    load.more()
+    load.finish()
+    load.check(operation)
+    return status
+
+
 def logs_in(params: pika.ConnectionParameters) -> bool:
     try:
         pika.BlockingConnection(params).close()
@@ -437,10 +452,7 @@ def test_day_two_operations_under_load_lose_nothing(operator: None) -> None:
                 )
 
             wait(rolled, "every pod on the new revision", 900)
-            status = running(name, 3)
-            load.more()
-            load.finish()
-            load.check("edit a broker setting: rolling restart")
+            status = settle(load, name, "edit a broker setting: rolling restart")
         events = kubectl("-n", NS, "get", "events", "--field-selector", "reason=RollingUpgrade")
         assert events.count("restarting backup") == 3, events
 
@@ -473,10 +485,7 @@ def test_day_two_operations_under_load_lose_nothing(operator: None) -> None:
             assert bc(name)["status"]["epoch"] == status["epoch"]  # nobody failed over
             kubectl("-n", NS, "annotate", "bc", name, "tandem.dev/paused-")
             wait(lambda: bc(name)["status"]["epoch"] > status["epoch"], "a failover", 180)
-            status = running(name, 3)
-            load.more()
-            load.finish()
-            load.check("paused, primary deleted, resumed")
+            status = settle(load, name, "paused, primary deleted, resumed")
 
         # The operator restarted in the middle of a failover.
         with Load(name) as load:
@@ -491,10 +500,7 @@ def test_day_two_operations_under_load_lose_nothing(operator: None) -> None:
                 "--wait=false",
             )
             wait(lambda: bc(name)["status"]["epoch"] > status["epoch"], "a failover", 300)
-            status = running(name, 3)
-            load.more()
-            load.finish()
-            load.check("operator restarted mid-failover")
+            status = settle(load, name, "operator restarted mid-failover")
 
         # The operator down for a minute while the primary dies: no failover meanwhile, and
         # the one that follows loses nothing.
@@ -524,44 +530,14 @@ def test_day_two_operations_under_load_lose_nothing(operator: None) -> None:
             assert bc(name)["status"]["epoch"] == status["epoch"]
             kubectl(*scale, "--replicas=1")
             wait(lambda: bc(name)["status"]["epoch"] > status["epoch"], "a failover", 300)
-            status = running(name, 3)
-            load.more()
-            load.finish()
-            load.check("operator down a minute while the primary died")
+            status = settle(load, name, "operator down a minute while the primary died")
 
         # Invalid edits: refused at the API (replicas -1: the schema) or by the operator
         # (isrMin above replicas: a CEL rule, which k3s v1.21 does not run), the cluster left
         # as it was.
-        out = subprocess.run(
-            [
-                "kubectl",
-                "-n",
-                NS,
-                "patch",
-                "bc",
-                name,
-                "--type",
-                "merge",
-                "-p",
-                '{"spec":{"replicas":-1}}',
-            ],
-            capture_output=True,
-            text=True,
-            env=env(),
-            timeout=60,
-        )
+        out = edit(name, {"spec": {"replicas": -1}})
         assert out.returncode != 0 and "replicas" in out.stderr, out.stderr
-        kubectl(
-            "-n",
-            NS,
-            "patch",
-            "bc",
-            name,
-            "--type",
-            "merge",
-            "-p",
-            '{"spec":{"replication":{"isrMin":5}}}',
-        )
+        assert edit(name, {"spec": {"replication": {"isrMin": 5}}}).returncode == 0
         wait(
             lambda: (
                 "isrMin"
@@ -584,10 +560,7 @@ def test_day_two_operations_under_load_lose_nothing(operator: None) -> None:
             '[{"op":"remove","path":"/spec/replication/isrMin"}]',
         )
         with Load(name) as load:
-            status = running(name, 3)
-            load.more()
-            load.finish()
-            load.check("invalid edits refused")
+            status = settle(load, name, "invalid edits refused")
 
         # Secrets: a user's password rotated through its Secret, the Secrets deleted.
         with Load(name) as load:
