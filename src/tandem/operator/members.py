@@ -19,6 +19,7 @@ epoch tell the loop that a failover is under way, and it completes it.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import json
@@ -108,6 +109,9 @@ class Pods:
         if pod is None:
             return
         was_alive = pod.alive
+        uid = meta.get("uid", "")
+        if event_type == "DELETED" and pod.uid and uid and uid != pod.uid:
+            return  # an earlier pod of this name, gone after its successor appeared
         if event_type == "DELETED":
             pod.running, pod.ip, pod.terminating, pod.labelled = False, None, False, False
         else:
@@ -205,6 +209,7 @@ class ClusterLoop:
         self.users: tuple[str, Obj] | None = None
         self.users_applied: str | None = None
         self.users_refused: str | None = None  # why the users Secret cannot be used, if so
+        self.pushing: asyncio.Task[None] | None = None
 
     def configure(self, spec: BrokerClusterSpec) -> None:
         """A spec edit reaches the running loop: the failover delay and poll interval at once,
@@ -253,7 +258,7 @@ class ClusterLoop:
             if self.cause is None and last is not None and last.action is Action.FENCE:
                 self.cause = last.reason  # what set the failover going
         if holder is not None and self.users and self.users[0] != self.users_applied:
-            await self._apply_users(holder.node, *self.users)
+            self._push_users(holder.node, *self.users)
         await self._report_divergence(members)
         await self._publish(record, members, serving)
 
@@ -263,6 +268,12 @@ class ClusterLoop:
         if self.users is None or self.users[0] != digest:
             self.users = (digest, definitions)
             self.pods.clock.wake.set()
+
+    def _push_users(self, primary: str, digest: str, definitions: Obj) -> None:
+        """Beside the loop, one at a time: a primary that waits for its in-sync set before it
+        answers (an import is a durable record) must not hold up a failover decision."""
+        if self.pushing is None or self.pushing.done():
+            self.pushing = asyncio.create_task(self._apply_users(primary, digest, definitions))
 
     async def _apply_users(self, primary: str, digest: str, definitions: Obj) -> None:
         if await self.actuator.import_users(primary, definitions):
@@ -442,7 +453,11 @@ class ClusterLoop:
         return record.holder not in leaving and not (record.waited & leaving)
 
     async def run(self, stopped: ha_loop.Stopped) -> None:
-        await self.controller.run(stopped)
+        try:
+            await self.controller.run(stopped)
+        finally:
+            if self.pushing is not None:
+                self.pushing.cancel()
 
 
 class _Watching:
