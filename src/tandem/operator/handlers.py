@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 RESOURCE = (spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL)
-ROLL_SECONDS = 2.0  # how often the StatefulSet's revision is compared with its pods'
+ROLL_SECONDS = 2.0  # how often the revision, the users Secret and our Secrets are checked
 MEMBER_PODS = {"app.kubernetes.io/managed-by": builders.OPERATOR_NAME}
 
 
@@ -380,6 +380,17 @@ async def deleted(
     name, namespace = _where(name, namespace)
     retention = (spec.get("storage") or {}).get("retention", "Retain")
     kube: Kube = memo.kube
+    # The BrokerCluster stays (our finalizer) until its last member pod is gone. Without
+    # that, one applied again at once meets pods still in their preStop: the new
+    # StatefulSet cannot make a pod of the same name, and k3s's controller waited minutes
+    # before it tried again.
+    await kube.delete("apps/v1", "StatefulSet", namespace, name)
+    members = await kube.list("v1", "Pod", namespace, builders.selector(name))
+    if members:
+        raise kopf.TemporaryError(
+            f"waiting for {', '.join(sorted(p['metadata']['name'] for p in members))} to stop",
+            delay=2,
+        )
     kept = (f"{name}-cluster-key", f"{name}-default-user")
     if retention != "Delete":
         # The data stays, and what it needs with it: the Lease (never owned), the key the
