@@ -241,8 +241,8 @@ class Load:
     reaches it), reconnecting after a failover; and a watch that records the most pods the
     Service ever selected at once."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, first: int = 0) -> None:
+        self.name, self.first = name, first  # the number the first message carries
         secret = json.loads(
             kubectl("-n", NS, "get", "secret", f"{name}-default-user", "-o", "json")
         )
@@ -278,7 +278,7 @@ class Load:
             t.join(60)
 
     def _publish(self) -> None:
-        n, last = 0, time.monotonic()
+        n, last = self.first, time.monotonic()
         while not self.stop.is_set():
             try:
                 conn = pika.BlockingConnection(self.params)
@@ -644,9 +644,13 @@ def test_a_cluster_deleted_with_its_claims_kept_and_made_again_resumes_on_its_da
     try:
         make(name, storage={"size": "1Gi", "retention": "Delete"})
         running(name, 3)
-        again = Load(name)  # the Service is new (its address), the user the same
-        assert again.params.credentials.password == load.params.credentials.password
-        again.confirmed = load.confirmed  # the messages of the first life
+        # The Service is new (its address), the user the same; the second life publishes
+        # on, numbered after the first.
+        with Load(name, first=max(load.confirmed) + 1) as again:
+            assert again.params.credentials.password == load.params.credentials.password
+            again.more()
+            again.finish()
+        again.confirmed = load.confirmed + again.confirmed  # both lives' messages
         again.check("delete and make again, claims kept")
     finally:
         drop(name)
