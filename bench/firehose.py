@@ -56,7 +56,7 @@ for _name, _mode, _count, _pubs, _opts in (
 ):
     WORKLOADS[_name] = (_mode, _count, _pubs, _opts)
     WORKLOADS[f"{_name}-batched"] = (_mode, _count, _pubs, (*_opts, "ack=500"))
-WORKLOADS["persistent-64k"] = ("persistent", 5_000, 1, ("size=65536",))
+WORKLOADS["persistent-64k"] = ("persistent", 20_000, 1, ("size=65536",))
 WORKLOADS["persistent-10"] = ("persistent", 50_000, 10, ())
 
 

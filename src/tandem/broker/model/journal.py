@@ -37,7 +37,7 @@ Boundaries = tuple[tuple[int, int], ...]  # (epoch, first offset), in order
 
 NOOP_PAYLOAD = b""
 # A record of a group not yet emitted: type, offset, payload, durable, replicated, key.
-Pending = tuple[int, int, bytes, bool, bool, tuple[str, str, int] | None]
+Pending = tuple[int, int, bytes | list[bytes], bool, bool, tuple[str, str, int] | None]
 
 
 class Journal(Protocol):
@@ -192,10 +192,14 @@ class Sequencer:
         offset = self._next()
         if not msg.mid:  # its first queue: the id is this record's (epoch, offset)
             msg.mid = (self.epoch << records.OFFSET_BITS) | offset  # records.mid, inlined
+        where = _place(queue)
         self._emit(
             records.ENQUEUE,
             offset,
-            records.enqueue_at(_place(queue), msg),
+            # A large body is framed from its parts: one copy, not two.
+            records.enqueue_at(where, msg)
+            if msg.body_size < records.BIG
+            else records.enqueue_parts(where, msg),
             durable,
             replicated,
             (queue.vhost.name, queue.name, msg.mid),
@@ -256,7 +260,7 @@ class Sequencer:
         self,
         rtype: int,
         offset: int,
-        payload: bytes,
+        payload: bytes | list[bytes],
         durable: bool,
         replicated: bool,
         key: tuple[str, str, int] | None,

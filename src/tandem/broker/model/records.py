@@ -64,10 +64,22 @@ BIG = 8192  # a payload from this size up is copied once when framed; below, two
 
 
 def frame(
-    rtype: int, epoch: int, offset: int, payload: bytes, durable: bool = True, more: bool = False
+    rtype: int,
+    epoch: int,
+    offset: int,
+    payload: bytes | list[bytes],
+    durable: bool = True,
+    more: bool = False,
 ) -> bytes:
+    """A record's frame; `payload` may come as parts (`enqueue_parts`), joined here."""
     flags = (DURABLE if durable else 0) | (MORE if more else 0)
     meta = REC_META.pack(rtype | flags, epoch, offset)
+    if type(payload) is list:
+        crc, size = zlib.crc32(meta), len(meta)
+        for part in payload:
+            crc, size = zlib.crc32(part, crc), size + len(part)
+        return b"".join((REC_HDR.pack(MAGIC, size, crc), meta, *payload))
+    assert isinstance(payload, bytes)
     if len(payload) < BIG:
         rest = meta + payload
         return REC_HDR.pack(MAGIC, len(rest), zlib.crc32(rest)) + rest
@@ -362,20 +374,25 @@ def enqueue_at(where: bytes, msg: Message) -> bytes:
                 U32.pack(message_id >> OFFSET_BITS),
             )
         )
-    # A body that came in several frames is spliced in as its chunks: one copy, not two.
-    return b"".join(
-        (
-            where,
-            U64.pack(message_id & OFFSET_MASK),
-            U32.pack(len(route)),
-            route,
-            U32.pack(len(props)),
-            props,
-            U32.pack(sum(map(len, body))),
-            *body,
-            U32.pack(message_id >> OFFSET_BITS),
-        )
-    )
+    return b"".join(enqueue_parts(where, msg))
+
+
+def enqueue_parts(where: bytes, msg: Message) -> list[bytes]:
+    """The same payload as `enqueue_at`, as its parts, the body spliced in as the chunks it
+    came in: `frame` checksums and joins them once, so a large body is copied once."""
+    route, props, body, message_id = msg.route, msg.props, msg.body, msg.mid
+    chunks = [body] if isinstance(body, bytes) else body
+    return [
+        where,
+        U64.pack(message_id & OFFSET_MASK),
+        U32.pack(len(route)),
+        route,
+        U32.pack(len(props)),
+        props,
+        U32.pack(msg.body_size),
+        *chunks,
+        U32.pack(message_id >> OFFSET_BITS),
+    ]
 
 
 def key(vhost: str, queue: str, message_id: int) -> bytes:

@@ -178,7 +178,7 @@ def recover(conn: Connection, ch: Channel, m: Any) -> None:
 # -- publishing (hot path) --
 
 
-def publish(conn: Connection, ch: Channel, buf: bytearray, pos: int, end: int) -> None:
+def publish(conn: Connection, ch: Channel, buf: bytes | bytearray, pos: int, end: int) -> None:
     elen = buf[pos + 2]
     rpos = pos + 3 + elen
     rlen = buf[rpos]
@@ -219,7 +219,9 @@ def publish(conn: Connection, ch: Channel, buf: bytearray, pos: int, end: int) -
     conn.published = True
 
 
-def content_header(conn: Connection, number: int, buf: bytearray, start: int, end: int) -> None:
+def content_header(
+    conn: Connection, number: int, buf: bytes | bytearray, start: int, end: int
+) -> None:
     ch = conn.channels.get(number)
     if ch is None or ch.pub_exchange is None or ch.pub_props is not None:
         if number in conn.closing_channels:

@@ -154,7 +154,7 @@ class Channel:
         out = conn.out
         if not out:
             conn.transport.wake()
-        out.append(b"".join(parts))
+        out += parts  # joined once with the rest of this turn's output, by take_output
 
     def hold_until_synced(self, data: bytes) -> None:
         """Queue a reply that may go out only once the journal has synced."""

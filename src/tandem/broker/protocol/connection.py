@@ -103,7 +103,7 @@ class Connection:
         self.loopback = loopback
         self.limits = limits or Limits()
         self.buf = bytearray()
-        self.out: list[bytes] = []
+        self.out: list[bytes | memoryview] = []
         self.state = "header"
         self.frame_max = frames.FRAME_MIN_SIZE
         self.channel_max = self.limits.channel_max
@@ -173,20 +173,22 @@ class Connection:
         if self.state == "closed":
             return
         self.received_since_tick = True
-        buf = self.buf
-        buf += data
+        buf: bytes | bytearray = data  # nothing left over: read where it arrived, no copy
+        if self.buf or self.state == "header":
+            self.buf += data
+            buf = self.buf
         try:
             if self.state == "header":
-                if len(buf) < 8:
-                    if not frames.PROTOCOL_HEADER.startswith(bytes(buf[:8])):
+                if len(self.buf) < 8:
+                    if not frames.PROTOCOL_HEADER.startswith(bytes(self.buf[:8])):
                         self._bad_header()
                     return
-                if bytes(buf[:8]) != frames.PROTOCOL_HEADER:
+                if bytes(self.buf[:8]) != frames.PROTOCOL_HEADER:
                     self._bad_header()
                     return
-                del buf[:8]
+                del self.buf[:8]
                 self._send_start()
-            self._frames()
+            self._frames(buf)
         except errors.AMQPError as err:
             self.error(0, err)
         except Exception as exc:
@@ -194,8 +196,9 @@ class Connection:
             self.error(0, errors.InternalError(f"internal error: {exc.__class__.__name__}"))
         self._after_batch()
 
-    def _frames(self) -> None:
-        buf = self.buf
+    def _frames(self, buf: bytes | bytearray) -> None:
+        """Handle the whole frames in `buf` (the connection's buffer, or bytes just read
+        while it was empty); what is left of a frame stays in the buffer."""
         n = len(buf)
         pos = 0
         frame_max = self.frame_max
@@ -238,7 +241,10 @@ class Connection:
                 else:
                     raise errors.FrameError(f"unknown frame type {ftype}")
         finally:
-            if pos >= n:
+            if buf is not self.buf:
+                if pos < n:
+                    self.buf += memoryview(buf)[pos:]
+            elif pos >= n:
                 buf.clear()
             elif pos:
                 del buf[:pos]
@@ -411,7 +417,7 @@ class Connection:
         self.send_method(0, commands.Connection.Start(0, 9, props, "PLAIN AMQPLAIN", "en_US"))
         self.state = "start"
 
-    def _closing_method(self, buf: bytearray, start: int, end: int) -> None:
+    def _closing_method(self, buf: bytes | bytearray, start: int, end: int) -> None:
         class_id, method_id = METHOD_IDS.unpack_from(buf, start)
         if (class_id, method_id) == (10, 51):  # close-ok
             self.state = "closed"
@@ -421,7 +427,9 @@ class Connection:
             self.state = "closed"
             self.transport.close()
 
-    def _closing_channel_method(self, ch: int, buf: bytearray, start: int, end: int) -> None:
+    def _closing_channel_method(
+        self, ch: int, buf: bytes | bytearray, start: int, end: int
+    ) -> None:
         class_id, method_id = METHOD_IDS.unpack_from(buf, start)
         if (class_id, method_id) == (20, 41):  # close-ok
             self.closing_channels.discard(ch)
@@ -429,7 +437,7 @@ class Connection:
             self.closing_channels.discard(ch)
             self.send_method(ch, commands.Channel.CloseOk())
 
-    def _method(self, ch: int, buf: bytearray, start: int, end: int) -> None:
+    def _method(self, ch: int, buf: bytes | bytearray, start: int, end: int) -> None:
         class_id, method_id = METHOD_IDS.unpack_from(buf, start)
         if ch:
             channel = self.channels.get(ch)
