@@ -110,11 +110,17 @@ class TandemCluster:
         """After a kill: the cluster restarts the member itself; wait until it is in sync."""
         self.wait_healthy()
 
-    def stop(self) -> None:
+    def stop(self, failed: bool = False) -> None:
+        """Stop the cluster and delete its data; after a failed run, keep them and show the
+        end of its log, which says what the cluster decided."""
         self.proc.send_signal(signal.SIGINT)
         self.proc.wait(60)
         self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if failed:
+            tail = (self.dir / "cluster.log").read_text(errors="replace").splitlines()[-40:]
+            print(f"tandem cluster log ({self.dir}, kept), its end:", *tail, sep="\n  ")
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class RabbitCluster:

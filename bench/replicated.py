@@ -40,6 +40,7 @@ def main() -> int:
     ap.add_argument("--publishers", default="1,10", help="publisher connections")
     args = ap.parse_args()
     extra = ("--failover-delay", args.failover_delay)
+    failed = False
     tandems = {"tandem": TandemCluster(3, None, *extra)}
     rabbit = RabbitCluster()
     try:
@@ -83,9 +84,12 @@ def main() -> int:
                     )
         print()
         report(list(urls), [m for m, _, _ in modes], results, costs)
+    except BaseException:
+        failed = True
+        raise
     finally:
         for t in tandems.values():
-            t.stop()
+            t.stop(failed)
         rabbit.stop()
     return 0
 
