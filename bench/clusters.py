@@ -10,6 +10,7 @@ The same user's Erlang cookie lets them talk. Everything lives in a temporary di
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -105,6 +106,21 @@ class TandemCluster:
 
     def wait_new_leader(self, old_pid: int) -> None:
         _wait(lambda: self.state()["serving"] and self.leader_pid() != old_pid, "a new primary")
+
+    def rejoined(self, node: str, deadline: float) -> float | None:
+        """Seconds from now until `node` (just killed) is in the in-sync set again and
+        answering, or None if not by `deadline` (time.monotonic())."""
+        start = time.monotonic()
+        gone = False
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                s = self.state()
+                member = next(m for m in s["members"] if m["node"] == node)
+                gone = gone or node not in s["isr"] or member.get("role") != "primary"
+                if gone and node in s["isr"] and member.get("role") == "backup":
+                    return time.monotonic() - start
+            time.sleep(0.05)  # polling the cluster's admin port
+        return None
 
     def recover(self, pid: int) -> None:
         """After a kill: the cluster restarts the member itself; wait until it is in sync."""

@@ -3,7 +3,7 @@ primary (Tandem) or the quorum queue's leader node (RabbitMQ) is killed with SIG
 with SIGSTOP, side by side on this machine.
 
     python bench/failover.py [--kills 20] [--stops 10] [--pause 5] [--only tandem|rabbitmq]
-                             [--stale-writer]
+                             [--stale-writer] [--every SECONDS]
 
 The publisher is pika with publisher confirms, heartbeat 1 s and a 0.1 s retry delay; it
 republishes an unconfirmed message after reconnecting. Tandem's clients use the front port
@@ -17,6 +17,11 @@ it (not through the front port), which publishes as soon as the pause ends, whil
 member already serves: writes nobody confirms, in a diverged suffix of the old primary's
 log. They must not take the place of a confirmed message, nor stay in the queue once the
 old primary has rejoined; the summary counts both.
+
+With --every SECONDS (Tandem), the storm: the primary is killed every SECONDS whether or not
+the last one killed is back, and each kill prints how long the killed member took to be in
+the in-sync set again (the cluster restarts it). Without it, each fault waits for a full
+in-sync set before the next.
 """
 
 from __future__ import annotations
@@ -128,6 +133,7 @@ def measure(
     stops: int,
     pause: float,
     stale_writer: bool = False,
+    every: float | None = None,
 ) -> dict[str, list[float]]:
     probe = Probe(cluster.urls)
     probe.start()
@@ -142,6 +148,17 @@ def measure(
                 else cluster.pid(cluster.leader(QUEUE))
             )
             start = time.monotonic()
+            if kind == "kill -9" and every is not None and isinstance(cluster, TandemCluster):
+                node = cluster.state()["primary"]
+                os.kill(pid, signal.SIGKILL)
+                back = cluster.rejoined(node, start + every)
+                gaps.setdefault("rejoin", []).append(back if back is not None else every)
+                rejoin = f"back in the in-sync set after {back:.2f} s" if back else "not back"
+                time.sleep(max(0.0, start + every - time.monotonic()))  # the storm's pace
+                gap = probe.gap_since(start)
+                gaps[kind].append(gap)
+                print(f"  {name:8} kill -9 {i + 1:2}: longest gap {gap:6.3f} s; {node} {rejoin}")
+                continue
             if kind == "kill -9":
                 os.kill(pid, signal.SIGKILL)
                 steady(probe)
@@ -187,6 +204,7 @@ def main() -> int:
     ap.add_argument("--pause", type=float, default=5.0)
     ap.add_argument("--only", choices=("tandem", "rabbitmq"))
     ap.add_argument("--stale-writer", action="store_true", help="see the docstring")
+    ap.add_argument("--every", type=float, help="the storm: kill every SECONDS (Tandem)")
     args = ap.parse_args()
     results: dict[str, dict[str, list[float]]] = {}
     for name in ("tandem", "rabbitmq"):
@@ -197,7 +215,7 @@ def main() -> int:
         )
         try:
             results[name] = measure(
-                name, cluster, args.kills, args.stops, args.pause, args.stale_writer
+                name, cluster, args.kills, args.stops, args.pause, args.stale_writer, args.every
             )
         finally:
             cluster.stop()
@@ -211,6 +229,12 @@ def main() -> int:
                     f"{name:10}{kind:10}{len(v):4}{statistics.median(v):8.3f}{pct(v, 0.99):8.3f}"
                     f"{max(v):8.3f}{int(gaps['lost'][0]):6}"
                 )
+        if gaps.get("rejoin"):
+            v = gaps["rejoin"]
+            print(
+                f"{name:10}{'rejoin':10}{len(v):4}{statistics.median(v):8.3f}{pct(v, 0.99):8.3f}"
+                f"{max(v):8.3f}"
+            )
     return 0
 
 

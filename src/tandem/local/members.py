@@ -24,7 +24,22 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-RESTART_DELAY = 0.5  # after a member exits, before it is started again (doubling to 10 s)
+RESTART_DELAY = 0.5  # after a member exits, before it is started again
+MAX_RESTART_DELAY = 10.0
+STEADY_SECONDS = 30.0  # a member that ran this long before it exited was not crash-looping
+
+
+def restart_delay(previous: float | None, code: int, ran: float) -> float:
+    """How long to wait before starting again a member that exited with `code` after `ran`
+    seconds, the wait before its last start having been `previous` (None: its first exit).
+
+    The wait doubles, up to MAX_RESTART_DELAY, only for a member that fails on its own and
+    soon: a bad setting or a store it cannot open would otherwise restart in a tight loop. A
+    member killed from outside (SIGKILL: kill -9, the OOM killer) comes back at once however
+    often it is killed, so that it rejoins the in-sync set in time for the next failure."""
+    if previous is None or code == -signal.SIGKILL or ran >= STEADY_SECONDS:
+        return RESTART_DELAY
+    return min(previous * 2, MAX_RESTART_DELAY)
 
 
 def _die_with_parent() -> None:
@@ -146,18 +161,23 @@ class Supervisor:
 
     async def keep(self, proc: Proc) -> None:
         """Restart the member whenever it exits, until the cluster stops."""
-        delay = RESTART_DELAY
+        delay: float | None = None
         while not self.stopping:
             assert proc.process is not None
             code = await proc.process.wait()
             if self.stopping:
                 return
-            log.warning("member %s exited with %s; restarting it as a backup", proc.node, code)
+            delay = restart_delay(delay, code, time.monotonic() - proc.started)
+            log.warning(
+                "member %s exited with %s; restarting it as a backup in %.1f s",
+                proc.node,
+                code,
+                delay,
+            )
             self.on_exit(proc)
             await asyncio.sleep(delay)  # a member that exits at once is not restarted in a loop
             if self.stopping:
                 return
-            delay = RESTART_DELAY if time.monotonic() - proc.started > 30 else min(delay * 2, 10)
             try:
                 await self.start(proc)
                 proc.restarts += 1
