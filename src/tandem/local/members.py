@@ -24,7 +24,7 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-RESTART_DELAY = 0.5  # after a member exits, before it is started again
+RESTART_DELAY = 0.1  # after a member exits, before it is started again
 MAX_RESTART_DELAY = 10.0
 STEADY_SECONDS = 30.0  # a member that ran this long before it exited was not crash-looping
 
