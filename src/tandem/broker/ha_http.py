@@ -66,6 +66,8 @@ class HttpObserver:
         self.session = session
         self.headers = {"Authorization": f"Bearer {key}"}
         self.clock = clock
+        self.polls: dict[str, asyncio.Task[None]] = {}  # each member's poll under way
+        self.unanswered: set[str] = set()  # members whose last poll got no answer
 
     async def _poll(self, proc: Endpoint) -> None:
         if not proc.alive or not proc.admin_address:
@@ -80,13 +82,27 @@ class HttpObserver:
                     NodeStatus.model_validate(answer)  # not the contract: no answer
                     proc.status = answer
                     proc.last_answer = self.clock()
+                    self.unanswered.discard(proc.node)
+                    return
         except (aiohttp.ClientError, TimeoutError, ValueError):
             pass  # ValueError: not JSON, or not a status (pydantic's ValidationError)
+        self.unanswered.add(proc.node)
 
     async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
+        """One look at every member. A member that did not answer its last poll is polled
+        again, but the look does not wait for it: a paused primary would otherwise hold
+        every turn for the whole poll timeout, and the failover delay would be judged 0.4 s
+        late. Its answer, when it comes, counts in the next look."""
         procs = list(self.procs.values())
         before = {p.node: p.last_answer for p in procs}
-        await asyncio.gather(*(self._poll(p) for p in procs))
+        waited = []
+        for p in procs:
+            task = self.polls.get(p.node)
+            if task is None or task.done():
+                task = self.polls[p.node] = asyncio.create_task(self._poll(p))
+            if p.node not in self.unanswered:
+                waited.append(task)
+        await asyncio.gather(*waited)
         now = self.clock()
         primary = self.procs.get(record.holder or "")
         report: dict[str, MemberReport] = {}
