@@ -17,7 +17,7 @@ from pamqp import body, commands, frame, header
 
 from tandem.broker.model.auth import Permission
 from tandem.broker.model.broker import Broker
-from tandem.broker.protocol.connection import Connection
+from tandem.broker.protocol.connection import FEED_BUDGET, Connection
 
 EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "10000"))
 
@@ -25,6 +25,7 @@ EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "10000"))
 class FakeTransport:
     def __init__(self) -> None:
         self.closed = False
+        self.backlogged = False
 
     def wake(self) -> None:
         pass
@@ -37,6 +38,9 @@ class FakeTransport:
 
     def resume_reading(self) -> None:
         pass
+
+    def backlog(self) -> None:
+        self.backlogged = True
 
 
 class FakeHub:
@@ -181,3 +185,26 @@ def test_mutated_frames_never_crash_the_state_machine(data: bytes, split: int) -
         assert q.unacked >= 0
         assert q.bytes >= 0
         assert q.depth >= 0
+
+
+def test_a_big_read_is_handled_a_budget_at_a_time_and_in_order() -> None:
+    """Issue 16: a 256 KiB read from each of ten publishers was handled in one go, and the
+    loop went 0.4 s without a turn, long enough for the controller to take the node for
+    dead. A feed handles FEED_BUDGET bytes of frames and leaves the rest for later turns."""
+    conn, transport = new_connection()
+    conn.feed(frame.marshal(commands.Channel.Open(), 1))
+    conn.feed(frame.marshal(commands.Queue.Declare(queue="q"), 1))
+    props = commands.Basic.Properties()
+    data = b"".join(msg(1, "q", str(i).encode(), props) for i in range(5000))
+    assert len(data) > 3 * FEED_BUDGET
+    conn.feed(data)
+    queue = conn.broker.vhost("/").queues["q"]
+    assert transport.backlogged
+    assert 0 < queue.depth < 5000, "the whole read was handled at once"
+    turns = 1
+    while transport.backlogged:
+        transport.backlogged = False
+        conn.feed(b"")  # the next turn, as the server calls it
+        turns += 1
+    assert turns >= len(data) // FEED_BUDGET
+    assert [int(m.body) for m in queue.messages] == list(range(5000))

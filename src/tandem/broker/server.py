@@ -52,6 +52,7 @@ class AMQPProtocol(asyncio.Protocol):
         self.hb_handle: asyncio.TimerHandle | None = None
         self.write_paused = False  # the peer is not reading: neither are we
         self.read_paused = False  # paused at the connection's request (alarms)
+        self.backlogged = False  # frames read but not yet handled: they go first
         self.hs_handle: asyncio.TimerHandle | None = None
 
     # asyncio.Protocol
@@ -131,6 +132,18 @@ class AMQPProtocol(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def backlog(self) -> None:
+        if not self.backlogged:
+            self.backlogged = True
+            self._apply_reading()
+            self.loop.call_soon(self._handle_backlog)
+
+    def _handle_backlog(self) -> None:
+        self.backlogged = False
+        if self.conn is not None and self.transport is not None:
+            self.conn.feed(b"")  # may leave a backlog again
+            self._apply_reading()
+
     def pause_reading(self) -> None:
         self.read_paused = True
         self._apply_reading()
@@ -143,7 +156,7 @@ class AMQPProtocol(asyncio.Protocol):
         t = self.transport
         if t is None or t.is_closing():
             return
-        if self.read_paused or self.write_paused:
+        if self.read_paused or self.write_paused or self.backlogged:
             if t.is_reading():
                 t.pause_reading()
         elif not t.is_reading():

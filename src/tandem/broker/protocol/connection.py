@@ -48,6 +48,11 @@ class Limits:
     cluster_name: str = "tandem"
 
 
+# The bytes of frames one `feed` handles before it lets the event loop go round: a read
+# brings up to 256 KiB (2,000 small messages); handled at once, ten busy publishers held the
+# loop for 0.4 s a turn, and the node answered its controller's status poll too late.
+FEED_BUDGET = 65536
+
 SERVER_CAPABILITIES = {
     "publisher_confirms": True,
     "exchange_exchange_bindings": True,
@@ -73,6 +78,10 @@ class Transport(Protocol):
     def pause_reading(self) -> None: ...
 
     def resume_reading(self) -> None: ...
+
+    def backlog(self) -> None:
+        """Whole frames are left in the buffer: read nothing more until `feed(b"")`, called
+        on a later turn of the loop, has handled them."""
 
 
 class Hub(Protocol):
@@ -240,6 +249,9 @@ class Connection:
                         raise errors.FrameError("heartbeat frame on a non-zero channel")
                 else:
                     raise errors.FrameError(f"unknown frame type {ftype}")
+                if pos >= FEED_BUDGET and n - pos >= 7 and self.state != "closed":
+                    self.transport.backlog()  # the rest on a later turn
+                    break
         finally:
             if buf is not self.buf:
                 if pos < n:
