@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tandem import errors
@@ -480,6 +480,24 @@ class Queue:
             messages.remove(msg)
         self.bytes -= msg.body_size
         msg.refs -= 1
+
+    def remove_many(self, mids: Iterable[int]) -> None:
+        """Messages the log says left this queue, all at once: one pass over the queue,
+        where `remove` of each would search it from the head, one at a time (a copy that
+        drops a diverged suffix of 50,000 messages took minutes)."""
+        index = self._index()
+        gone = {id(m): m for m in (index.pop(mid, None) for mid in mids) if m is not None}
+        if not gone:
+            return
+        messages = self.messages
+        levels = messages.levels if isinstance(messages, PriorityBuffer) else [messages]
+        for level in levels:
+            kept = [msg for msg in level if id(msg) not in gone]
+            level.clear()
+            level.extend(kept)
+        for msg in gone.values():
+            self.bytes -= msg.body_size
+            msg.refs -= 1
 
     def holds(self, mid: int) -> bool:
         return mid in self._index()

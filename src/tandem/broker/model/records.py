@@ -358,28 +358,13 @@ def enqueue(vhost: str, queue: str, msg: Message) -> bytes:
 
 
 def enqueue_at(where: bytes, msg: Message) -> bytes:
-    """An ENQUEUE payload of the queue at `where` (see `place`): the hot path's form."""
-    route, props, body, message_id = msg.route, msg.props, msg.body, msg.mid
-    if isinstance(body, bytes):  # the hot path: one tuple, one join
-        return b"".join(
-            (
-                where,
-                U64.pack(message_id & OFFSET_MASK),
-                U32.pack(len(route)),
-                route,
-                U32.pack(len(props)),
-                props,
-                U32.pack(len(body)),
-                body,
-                U32.pack(message_id >> OFFSET_BITS),
-            )
-        )
+    """An ENQUEUE payload of the queue at `where` (see `place`), joined."""
     return b"".join(enqueue_parts(where, msg))
 
 
 def enqueue_parts(where: bytes, msg: Message) -> list[bytes]:
-    """The same payload as `enqueue_at`, as its parts, the body spliced in as the chunks it
-    came in: `frame` checksums and joins them once, so a large body is copied once."""
+    """An ENQUEUE payload as its parts, the body spliced in as the chunks it came in; `frame`
+    checksums and joins them at once, so that a large body is copied once."""
     route, props, body, message_id = msg.route, msg.props, msg.body, msg.mid
     chunks = [body] if isinstance(body, bytes) else body
     return [

@@ -308,6 +308,7 @@ class BrokerLog:
         self.window.clear()
         self.window_bytes = 0
         self.group.clear()
+        gone: dict[tuple[str, str], list[int]] = {}  # dequeues, applied a queue at a time
         for data in frames:
             rtype, epoch, offset, durable = records.head(data)
             payload = records.payload(data)
@@ -318,7 +319,21 @@ class BrokerLog:
                     else None
                 )
                 self.store.write(rtype, offset, data, key)
+            if rtype == records.DEQUEUE:
+                vhost, queue, mid = records.read_key(payload)
+                gone.setdefault((vhost, queue), []).append(mid)
+                continue
+            self._remove(gone)
             self._apply(epoch, offset, rtype, payload)
+        self._remove(gone)
+
+    def _remove(self, gone: dict[tuple[str, str], list[int]]) -> None:
+        for (vhost, queue), mids in gone.items():
+            vh = self.broker.vhosts.get(vhost)
+            q = vh.queues.get(queue) if vh is not None else None
+            if q is not None:
+                q.remove_many(mids)
+        gone.clear()
 
     def _durable_state(self, boundaries: core.Boundaries, end: int) -> list[bytes]:
         """This member's durable state as frames: the durable definitions, then every
