@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import pytest
+import pytest_asyncio
 from aiohttp import web
 
 from tandem.broker import ha_http
 from tandem.broker.ha_http import HttpObserver
-from tandem.ha.model import ElectionRecord, Liveness
+from tandem.ha import decide
+from tandem.ha.model import ElectionRecord, Liveness, Role, View
+
+RECORD = ElectionRecord("a", 1, frozenset({"a", "b"}))
 
 
 @dataclass
@@ -27,47 +32,75 @@ class Endpoint:
     amqp_address: str = ""
 
 
+class Members:
+    """An admin endpoint per member; each answers its polls as `script[node]` says, in
+    turn ("ok", "refuse" or "hang"), the last word repeating."""
+
+    def __init__(self) -> None:
+        self.script: dict[str, list[str]] = {}
+        self.released = asyncio.Event()
+
+    async def status(self, request: web.Request) -> web.Response:
+        node = request.match_info["node"]
+        turns = self.script[node]
+        word = turns.pop(0) if len(turns) > 1 else turns[0]
+        if word == "hang":
+            await self.released.wait()
+        if word == "refuse":
+            return web.Response(status=503)
+        role = "primary" if node == "a" else "backup"
+        return web.json_response({"role": role, "epoch": 1, "position": 7, "last_epoch": 1})
+
+
+@pytest_asyncio.fixture
+async def members(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Members, HttpObserver]]:
+    monkeypatch.setattr(ha_http, "STATUS_TIMEOUT", 60.0)  # a hang outlasts the test
+    served = Members()
+    app = web.Application()
+    app.router.add_get("/{node}/status", served.status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    procs = {n: Endpoint(n, f"127.0.0.1:{port}/{n}") for n in ("a", "b")}
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield served, HttpObserver(procs, session, "key")
+    finally:
+        served.released.set()
+        await runner.cleanup()
+
+
 @pytest.mark.asyncio
 async def test_a_look_does_not_wait_for_a_member_that_did_not_answer_its_last_poll(
-    monkeypatch: pytest.MonkeyPatch,
+    members: tuple[Members, HttpObserver],
 ) -> None:
     """Issue 16: a paused primary held every look for the whole poll timeout, so its silence
     was judged in steps of 0.4 s and a hang took 1.8 s to fail over (1 s delay)."""
-    monkeypatch.setattr(ha_http, "STATUS_TIMEOUT", 60.0)  # a hang outlasts the test
-    released = asyncio.Event()
-    hung: list[str] = []
+    served, observer = members
+    served.script = {"a": ["ok"], "b": ["refuse", "hang", "ok"]}
+    first = {m.node: m.liveness for m in await observer.observe(RECORD)}
+    assert first == {"a": Liveness.UP, "b": Liveness.SILENT}
+    second = {m.node: m.liveness for m in await observer.observe(RECORD)}
+    assert second == {"a": Liveness.UP, "b": Liveness.SILENT}
+    assert not observer.polls["b"].done(), "the look waited for the silent member"
+    served.released.set()
+    await observer.polls["b"]
+    third = {m.node: m.liveness for m in await observer.observe(RECORD)}
+    assert third == {"a": Liveness.UP, "b": Liveness.UP}  # answering, it is waited for
 
-    async def status(request: web.Request) -> web.Response:
-        node = request.match_info["node"]
-        if node == "b" and hung:  # b's first poll is refused; later ones hang
-            await released.wait()
-        if node == "b":
-            hung.append(node)
-            if len(hung) == 1:
-                return web.Response(status=503)
-        return web.json_response({"role": "primary" if node == "a" else "backup", "epoch": 1})
 
-    app = web.Application()
-    app.router.add_get("/{node}/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    procs = {n: Endpoint(n, f"127.0.0.1:{port}/{n}") for n in ("a", "b")}
-    record = ElectionRecord("a", 1, frozenset({"a", "b"}))
-    try:
-        async with aiohttp.ClientSession() as session:
-            observer = HttpObserver(procs, session, "key")
-            first = {m.node: m.liveness for m in await observer.observe(record)}
-            assert first == {"a": Liveness.UP, "b": Liveness.SILENT}
-            second = {m.node: m.liveness for m in await observer.observe(record)}
-            assert second == {"a": Liveness.UP, "b": Liveness.SILENT}
-            assert not observer.polls["b"].done(), "the look waited for the silent member"
-            released.set()
-            await observer.polls["b"]
-            third = {m.node: m.liveness for m in await observer.observe(record)}
-            assert third == {"a": Liveness.UP, "b": Liveness.UP}  # answering, it is waited for
-    finally:
-        released.set()
-        await runner.cleanup()
+@pytest.mark.asyncio
+async def test_a_silent_primary_is_what_it_last_answered_and_keeps_its_clients(
+    members: tuple[Members, HttpObserver],
+) -> None:
+    """Issue 16: a primary busy under ten publishers answered a poll late; the observer took
+    it, silent, for a backup of epoch 0, so `route` named nobody and the front port ended
+    every client's connection (write EPIPE), though no failover followed."""
+    served, observer = members
+    served.script = {"a": ["ok", "refuse"], "b": ["ok"]}
+    await observer.observe(RECORD)
+    (a, b) = await observer.observe(RECORD)
+    assert a.liveness is Liveness.SILENT and b.liveness is Liveness.UP
+    assert (a.role, a.epoch, a.position.offset) == (Role.PRIMARY, 1, 7)
+    assert decide.route(View(RECORD, (a, b))) == "a"

@@ -114,16 +114,19 @@ class HttpObserver:
                 members.append(Member(p.node, Liveness.DOWN))
                 continue
             answered = p.last_answer != before[p.node]
-            if not answered:
-                since = max(p.last_answer, p.started)
+            if not answered and (not p.status or p.last_answer < p.started):
+                since = max(p.last_answer, p.started)  # nothing seen of this life yet
                 members.append(Member(p.node, Liveness.SILENT, silent_for=now - since))
                 continue
+            # Silent, a member is what it last answered (a paused primary is still the
+            # primary of its epoch, and its clients wait for it: decide.route), as the
+            # simulation's members are.
             s = ReplicationStatus.model_validate(p.status)
             r = report.get(p.node) or MemberReport()
             members.append(
                 Member(
                     p.node,
-                    Liveness.UP,
+                    Liveness.UP if answered else Liveness.SILENT,
                     Role(s.role) if s.role in ("primary", "backup") else Role.BACKUP,
                     s.epoch,
                     Position(s.last_epoch, s.position),
@@ -135,6 +138,7 @@ class HttpObserver:
                     lag_seconds=r.lag_seconds,
                     whole=s.whole,
                     diverged=s.diverged,
+                    silent_for=0.0 if answered else now - p.last_answer,
                 )
             )
         return tuple(members)
