@@ -26,6 +26,7 @@ from tandem.broker.status import ClusterStatus, NodeStatus
 
 
 def _broker(args: argparse.Namespace) -> int:
+    from tandem.broker import collector
     from tandem.broker import config as config_mod
     from tandem.broker.node import Node
 
@@ -53,6 +54,7 @@ def _broker(args: argparse.Namespace) -> int:
         level=cfg.log_level,
         format=f"%(asctime)s %(levelname)s [{cfg.node_id}] %(name)s: %(message)s",
     )
+    collector.install()  # full collections walk only what is new (broker/collector.py)
     try:
         node = Node(cfg)
         try:
