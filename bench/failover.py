@@ -153,7 +153,7 @@ def measure(
                 os.kill(pid, signal.SIGKILL)
                 back = cluster.rejoined(node, start + every)
                 gaps.setdefault("rejoin", []).append(back if back is not None else every)
-                rejoin = f"back in the in-sync set after {back:.2f} s" if back else "not back"
+                rejoin = "not back" if back is None else f"back in the ISR after {back:.2f} s"
                 time.sleep(max(0.0, start + every - time.monotonic()))  # the storm's pace
                 gap = probe.gap_since(start)
                 gaps[kind].append(gap)

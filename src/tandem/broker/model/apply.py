@@ -24,6 +24,7 @@ after a crash) counts once, and a message lands in the order of its id.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tandem.broker.model import definitions, records
@@ -127,6 +128,16 @@ def drop_exclusive(broker: Broker) -> list[str]:
                 vh.delete_queue(q)
                 dropped.append(f"{vh.name}/{q.name}")
     return dropped
+
+
+def dequeue_many(broker: Broker, gone: Mapping[tuple[str, str], Iterable[int]]) -> None:
+    """DEQUEUE records, applied a queue at a time: `gone` maps (vhost, queue) to message
+    ids. A copy from the primary drops whole runs of messages at once (Queue.remove_many);
+    one `apply` each would search the queue for each."""
+    for (vhost, queue), mids in gone.items():
+        q = _queue(broker, vhost, queue)
+        if q is not None:
+            q.remove_many(mids)
 
 
 def _queue(broker: Broker, vhost: str, queue: str) -> Queue | None:

@@ -74,12 +74,11 @@ def frame(
     """A record's frame; `payload` may come as parts (`enqueue_parts`), joined here."""
     flags = (DURABLE if durable else 0) | (MORE if more else 0)
     meta = REC_META.pack(rtype | flags, epoch, offset)
-    if type(payload) is list:
+    if isinstance(payload, list):
         crc, size = zlib.crc32(meta), len(meta)
         for part in payload:
             crc, size = zlib.crc32(part, crc), size + len(part)
         return b"".join((REC_HDR.pack(MAGIC, size, crc), meta, *payload))
-    assert isinstance(payload, bytes)
     if len(payload) < BIG:
         rest = meta + payload
         return REC_HDR.pack(MAGIC, len(rest), zlib.crc32(rest)) + rest

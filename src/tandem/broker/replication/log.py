@@ -323,17 +323,10 @@ class BrokerLog:
                 vhost, queue, mid = records.read_key(payload)
                 gone.setdefault((vhost, queue), []).append(mid)
                 continue
-            self._remove(gone)
+            apply.dequeue_many(self.broker, gone)
+            gone.clear()
             self._apply(epoch, offset, rtype, payload)
-        self._remove(gone)
-
-    def _remove(self, gone: dict[tuple[str, str], list[int]]) -> None:
-        for (vhost, queue), mids in gone.items():
-            vh = self.broker.vhosts.get(vhost)
-            q = vh.queues.get(queue) if vh is not None else None
-            if q is not None:
-                q.remove_many(mids)
-        gone.clear()
+        apply.dequeue_many(self.broker, gone)
 
     def _durable_state(self, boundaries: core.Boundaries, end: int) -> list[bytes]:
         """This member's durable state as frames: the durable definitions, then every
