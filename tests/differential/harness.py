@@ -163,17 +163,19 @@ def run(
     shrink: bool = True,
     cluster: bool = False,
     kill_every: int = 10,
+    config: dict[str, Any] | None = None,
 ) -> dict[str, int]:
     """`count` sequences against one lone broker (or, with `cluster`, one 3-member local
     cluster whose primary is killed after every `kill_every`-th sequence); raises the
-    shortest failing sequence's error (the first one found, without `shrink`). Returns
+    shortest failing sequence's error (the first one found, without `shrink`); `config`: the
+    lone broker's settings. Returns
     figures: sequences, operations, refusals, failovers."""
     target: Broker | LocalCluster
     if cluster:
         (root / "cluster").mkdir(parents=True, exist_ok=True)
         target = LocalCluster(root / "cluster" / "data").start()
     else:
-        target = Broker(root / "node").start()
+        target = Broker(root / "node", config).start()
     figures = {"sequences": 0, "operations": 0, "refused": 0, "failovers": 0}
     numbers = itertools.count()
 

@@ -24,6 +24,20 @@ def test_a_restart_brings_back_exactly_what_a_client_left(tmp_path: Path) -> Non
     assert figures["sequences"] >= COUNT and figures["operations"] > figures["refused"]
 
 
+PAGED_COUNT = int(os.environ.get("DIFFERENTIAL_PAGED_COUNT", "60"))
+
+
+@pytest.mark.timeout(60 + 3 * PAGED_COUNT)
+def test_a_restart_brings_back_exactly_what_a_client_left_when_every_queue_pages(
+    tmp_path: Path,
+) -> None:
+    """The same with a memory budget of one byte: every persistent message after a queue's
+    first stays in the log, a page of its own, read back when the queue gets to it."""
+    figures = harness.run(tmp_path, PAGED_COUNT, config={"queue_memory_bytes": 1})
+    print(f"differential, paged: {figures}")
+    assert figures["sequences"] >= PAGED_COUNT
+
+
 @pytest.mark.timeout(300)
 def test_a_codec_that_drops_a_field_type_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -131,7 +131,7 @@ class NodeCollector:
             for q in vh.queues.values():
                 labels = [vh.name, q.name]
                 depth.add_metric(labels, q.depth)
-                ready.add_metric(labels, len(q.messages))
+                ready.add_metric(labels, q.ready)
                 unacked.add_metric(labels, q.unacked)
                 published.add_metric(labels, q.published)
                 delivered.add_metric(labels, q.delivered)

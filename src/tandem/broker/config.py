@@ -80,6 +80,9 @@ class Config(BaseModel):
     disk_free_limit: Bytes = 50 * 1024 * 1024
     fsync: StrictBool = True
     segment_bytes: Annotated[StrictInt, Field(ge=4096)] = 64 * 1024 * 1024
+    # Bytes of a queue's ready messages kept in memory (bodies, plus 256 for each message);
+    # a lone node leaves the persistent messages after them in the log. 0 = all in memory.
+    queue_memory_bytes: Bytes = 32 * 1024 * 1024
     guest_remote: StrictBool = False  # let guest log in from other hosts than loopback
     users: list[UserSpec] = []
     vhosts: list[Name] = ["/"]

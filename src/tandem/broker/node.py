@@ -111,7 +111,13 @@ class Node:
         if cfg.data_dir is not None:
             self.lock = DataDirLock(cfg.data_dir)
             self.lock.acquire(cfg.node_id)
-            self.store = Store(cfg.data_dir, fsync=cfg.fsync, segment_bytes=cfg.segment_bytes)
+            self.store = Store(
+                cfg.data_dir,
+                fsync=cfg.fsync,
+                segment_bytes=cfg.segment_bytes,
+                # A lone node pages its deep queues; a cluster member keeps them in memory.
+                page_bytes=cfg.queue_memory_bytes if cfg.replication_port is None else 0,
+            )
         self.sequencer = Sequencer(self.store)
         self.broker = Broker(self.sequencer)
         self.broker.default_replicate = cfg.default_replicate
@@ -302,8 +308,9 @@ class Node:
                     vhost=vh.name,
                     name=q.name,
                     depth=q.depth,
-                    ready=len(q.messages),
+                    ready=q.ready,
                     unacked=q.unacked,
+                    paged=q.paged,
                     consumers=len(q.consumers),
                     durable=q.durable,
                     replicate=q.replicate,

@@ -40,6 +40,7 @@ class QueueStatus(_Model):
     depth: int
     ready: int
     unacked: int
+    paged: int = 0  # ready messages in the log only (a queue deeper than its memory budget)
     consumers: int
     durable: bool
     replicate: str

@@ -40,6 +40,27 @@ NOOP_PAYLOAD = b""
 Pending = tuple[int, int, bytes | list[bytes], bool, bool, tuple[str, str, int] | None]
 
 
+class Page:
+    """A run of a queue's ready messages that stay in the log, not in memory (a queue deeper
+    than its memory budget): the store made it from the messages' ENQUEUE records and reads
+    them back when the queue's head runs low. The queue sees its size and its first and last
+    message ids; the rest is the store's."""
+
+    __slots__ = ("body_bytes", "count", "extents", "first_mid", "held", "key", "last_mid", "segs")
+
+    def __init__(self, key: tuple[str, str], msgs: list[Message]) -> None:
+        self.key = key  # (vhost, queue)
+        self.count = len(msgs)
+        self.body_bytes = sum(m.body_size for m in msgs)
+        self.first_mid = msgs[0].mid
+        self.last_mid = msgs[-1].mid
+        # The store's: (segment, first byte, end byte) runs holding the records, the
+        # records per segment, and the messages themselves until their records are written.
+        self.extents: list[tuple[int, int, int]] = []
+        self.segs: dict[int, int] = {}
+        self.held: list[tuple[Message, int]] | None = None
+
+
 class Journal(Protocol):
     epoch: int
     offset: int
@@ -80,6 +101,18 @@ class Journal(Protocol):
 
     def end_group(self) -> None: ...
 
+    @property
+    def page_budget(self) -> int:
+        """Body bytes a queue keeps in memory before its later messages stay in the log
+        (0: every message stays in memory)."""
+
+    def page_out(self, queue: Queue, msgs: list[Message]) -> Page | None:
+        """Leave these ready messages (the end of the queue, in order, each persistent and
+        its ENQUEUE record handed to the disk) in the log; None when they cannot be."""
+
+    def page_in(self, page: Page, queue: Queue, keep: bool = False) -> list[Message]:
+        """A page's messages, read back; the page is gone from the store unless `keep`."""
+
 
 class Disk(Protocol):
     """The store, as the Sequencer sees it."""
@@ -96,6 +129,14 @@ class Disk(Protocol):
 
     def boundary(self, epoch: int, first: int) -> None:
         """The log's first record of `epoch` is at `first` (kept for truncation)."""
+
+    page_bytes: int  # a queue's memory budget (Journal.page_budget); 0 pages nothing
+
+    def page_out(self, key: tuple[str, str], place: bytes, msgs: list[Message]) -> Page | None:
+        """See Journal.page_out."""
+
+    def page_in(self, page: Page, queue: Queue, keep: bool) -> list[Message]:
+        """See Journal.page_in."""
 
 
 class Shipper(Protocol):
@@ -281,6 +322,21 @@ class Sequencer:
 
     def begin_group(self) -> None:
         self.group = []
+
+    @property
+    def page_budget(self) -> int:
+        # Only a lone node pages: a cluster member's queues are copied and compared whole.
+        disk = self.disk
+        return disk.page_bytes if disk is not None and self.shipper is None else 0
+
+    def page_out(self, queue: Queue, msgs: list[Message]) -> Page | None:
+        if self.disk is None or self.group is not None:
+            return None
+        return self.disk.page_out((queue.vhost.name, queue.name), _place(queue), msgs)
+
+    def page_in(self, page: Page, queue: Queue, keep: bool = False) -> list[Message]:
+        assert self.disk is not None
+        return self.disk.page_in(page, queue, keep)
 
     def end_group(self) -> None:
         """Emit the group's records, each but the last marked MORE."""

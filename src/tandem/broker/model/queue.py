@@ -1,4 +1,12 @@
-"""Queues: ordered messages, consumers served round-robin, TTL, length limits, priorities."""
+"""Queues: ordered messages, consumers served round-robin, TTL, length limits, priorities.
+
+A queue deeper than its memory budget (`Journal.page_budget`, a lone node's
+`queue_memory_bytes`) keeps only its head in memory: the persistent messages after it stay
+in the log as pages (`journal.Page`), each read back when the head runs out, as RabbitMQ's
+lazy and quorum queues keep bodies on disk. The order is the queue's: `messages` (the head),
+then `tail` (pages, and messages that cannot be paged: transient ones, or ones with an
+expiration), then `filling` (the next page, not yet made).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tandem import errors
+from tandem.broker.model.journal import Page
 from tandem.broker.model.message import Message
 
 if TYPE_CHECKING:
@@ -95,6 +104,11 @@ def insert_by_mid(messages: collections.deque[Message], msg: Message) -> None:
 # one, or one recovered after a restart. Nobody here may use it (405, as while its owner is
 # connected elsewhere); a node that starts serving deletes it (apply.drop_exclusive).
 OWNED_ELSEWHERE = object()
+
+PAGE_BYTES = 256 * 1024  # body bytes of one page (a quarter of the budget, if less)
+# What a message in memory costs beyond its body (its objects, properties and indexes): a
+# queue's head is budgeted in body bytes plus this for each message.
+OVERHEAD = 256
 
 OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
 # Arguments whose values must match on redeclare; RabbitMQ ignores the ones it does not know.
@@ -187,7 +201,23 @@ class Queue:
         self.messages: collections.deque[Message] | PriorityBuffer = (
             PriorityBuffer(max_priority) if max_priority else collections.deque()
         )
-        self.bytes = 0  # body bytes of ready messages
+        self.bytes = 0  # body bytes of ready messages (head and tail)
+        # Paging (see the module's docstring): the tail, its size, and the next page.
+        self.tail: collections.deque[Message | Page] = collections.deque()
+        self.tail_count = 0
+        self.tail_bytes = 0
+        self.filling: list[Message] = []
+        self.filling_bytes = 0
+        # Only a plain durable queue pages: one with priorities, a TTL or a length limit
+        # works on all its messages, and an exclusive one dies with its connection.
+        self.pageable = (
+            durable
+            and not max_priority
+            and self.ttl is None
+            and self.max_length is None
+            and self.max_bytes is None
+            and exclusive_owner is None
+        )
         self.unacked = 0
         # Its vhost and name as every message record of it begins (records.place), encoded
         # once by the journal rather than at every record.
@@ -215,7 +245,27 @@ class Queue:
 
     @property
     def depth(self) -> int:
-        return len(self.messages) + self.unacked
+        return len(self.messages) + self.tail_count + self.unacked
+
+    @property
+    def ready(self) -> int:
+        return len(self.messages) + self.tail_count
+
+    @property
+    def paged(self) -> int:
+        """Ready messages that are in the log only, not in memory."""
+        return sum(p.count for p in self.tail if isinstance(p, Page))
+
+    def all_ready(self) -> list[Message]:
+        """Every ready message in order, pages read without taking them in (state dumps,
+        copies); costly for a deep queue."""
+        out = list(self.messages)
+        for item in self.tail:
+            if isinstance(item, Page):
+                out += self.vhost.journal.page_in(item, self, keep=True)
+            else:
+                out.append(item)
+        return out + self.filling
 
     def same_properties(
         self, durable: bool, exclusive: bool, auto_delete: bool, arguments: dict[str, Any]
@@ -263,6 +313,9 @@ class Queue:
         if (msg.persistent and self.durable) or journal.shipping:
             journal.enqueue(self, msg)
         messages = self.messages
+        if self.tail_count or (self.pageable and msg.persistent and self._over_budget()):
+            self._to_tail(msg)
+            return True
         if self.consumers and not messages:
             consumers = self.consumers
             n = 1 if self.single_active else len(consumers)
@@ -278,6 +331,101 @@ class Queue:
 
     def persists(self, msg: Message) -> bool:
         return msg.persistent and self.durable
+
+    # -- paging --------------------------------------------------------------------------
+
+    def _over_budget(self) -> bool:
+        """True when the head has used the queue's memory budget."""
+        budget = self.vhost.journal.page_budget
+        head = self.bytes - self.tail_bytes + OVERHEAD * len(self.messages)
+        return bool(budget) and head >= budget
+
+    def _to_tail(self, msg: Message) -> None:
+        """Put a message at the end of the tail: into the next page if it can stay in the
+        log (persistent, no expiration), else kept in memory as it is."""
+        size = msg.body_size
+        self.tail_count += 1
+        self.tail_bytes += size
+        self.bytes += size
+        if self.index is not None:
+            self.index[msg.mid] = msg
+        if msg.persistent and msg.expiration is None and self.pageable:
+            self.filling.append(msg)
+            self.filling_bytes += size
+            if self.filling_bytes >= min(PAGE_BYTES, self.vhost.journal.page_budget // 4):
+                self._seal()
+        else:
+            self._seal()
+            self.tail.append(msg)
+
+    def _seal(self) -> None:
+        """Make the next page of the filling messages; the store holds them until their
+        records are written, then only their place in the log stays."""
+        msgs = self.filling
+        if not msgs:
+            return
+        self.filling = []
+        self.filling_bytes = 0
+        page = self.vhost.journal.page_out(self, msgs)
+        if page is None:  # their records are not all in the log yet: they stay in memory
+            self.tail.extend(msgs)
+            return
+        self.tail.append(page)
+        index = self.index
+        for m in msgs:
+            m.refs -= 1
+            if index is not None:
+                index.pop(m.mid, None)
+
+    def _promote(self) -> bool:
+        """Move the tail's first item (a page read back, or a message) to the head's end;
+        False when the tail is empty."""
+        tail = self.tail
+        if tail:
+            item = tail.popleft()
+            if isinstance(item, Page):
+                msgs = self.vhost.journal.page_in(item, self)
+                count, size = item.count, item.body_bytes
+                # A page read back short (a record corrupt on disk) counts what came back.
+                self.bytes += sum(m.body_size for m in msgs) - size
+                for m in msgs:
+                    m.refs += 1
+            else:
+                msgs, count, size = [item], 1, item.body_size
+        elif self.filling:
+            msgs, count, size = self.filling, len(self.filling), self.filling_bytes
+            self.filling = []
+            self.filling_bytes = 0
+        else:
+            return False
+        self.tail_count -= count
+        self.tail_bytes -= size
+        messages = self.messages
+        assert isinstance(messages, collections.deque)  # a queue with priorities never pages
+        messages.extend(msgs)
+        index = self.index
+        if index is not None:
+            for m in msgs:
+                index[m.mid] = m
+        return True
+
+    def _tail_first_mid(self) -> int:
+        if self.tail:
+            item = self.tail[0]
+            return item.first_mid if isinstance(item, Page) else item.mid
+        return self.filling[0].mid
+
+    def _tail_last_mid(self) -> int:
+        if self.filling:
+            return self.filling[-1].mid
+        item = self.tail[-1]
+        return item.last_mid if isinstance(item, Page) else item.mid
+
+    def _promote_through(self, mid: int) -> None:
+        """Bring into memory every page that may hold message `mid` or one before it (a
+        record names a message that stays in the log)."""
+        while self.tail_count and self._tail_first_mid() <= mid:
+            self._promote()
 
     def _ttl_of(self, msg: Message) -> int:
         ttl = self.ttl
@@ -324,7 +472,7 @@ class Queue:
             self.expire_head()
         n = 1 if self.single_active else len(consumers)
         idle = 0
-        while messages and idle < n:
+        while idle < n and (messages or (self.tail_count and self._promote())):
             c = consumers[self.rr % n]
             self.rr += 1
             if not c.ready():
@@ -355,7 +503,7 @@ class Queue:
         settles it), otherwise it awaits its ack and is marked delivered in the log."""
         if self.timed:
             self.expire_head()
-        if not self.messages:
+        if not self.messages and not (self.tail_count and self._promote()):
             return None
         msg = self.messages.popleft()
         self.bytes -= msg.body_size
@@ -423,7 +571,7 @@ class Queue:
         messages = self.messages
         now = self.vhost.clock()
         count = 0
-        while messages:
+        while messages or (self.tail_count and self._promote()):
             msg = messages[0]
             if msg.expiration is None and self.ttl is None:
                 break
@@ -433,15 +581,19 @@ class Queue:
             self.bytes -= msg.body_size
             self._drop(msg, "expired")
             count += 1
-        if not messages:
+        if not messages and not self.tail_count:
             self.timed = self.ttl is not None
         return count
 
     def purge(self) -> int:
-        count = len(self.messages)
-        for msg in self.messages:
-            self._forget(msg)
-        self.messages.clear()
+        """Drop every ready message; a deep queue's pages are read back one at a time."""
+        count = self.ready
+        while True:
+            for msg in self.messages:
+                self._forget(msg)
+            self.messages.clear()
+            if not self._promote():
+                break
         self.bytes = 0
         return count
 
@@ -455,11 +607,23 @@ class Queue:
     def restore(self, msg: Message) -> None:
         """A message the log says entered this queue, placed by its id; once only."""
         index = self._index()
-        if msg.mid in index:
+        mid = msg.mid
+        if self.tail_count and mid <= self._tail_last_mid():
+            self._promote_through(mid)
+        if mid in index:
             return
-        index[msg.mid] = msg
-        msg.refs += 1
         messages = self.messages
+        if self.tail_count or (
+            self.pageable
+            and msg.persistent
+            and (not messages or messages[-1].mid < mid)
+            and self._over_budget()
+        ):
+            msg.refs += 1
+            self._to_tail(msg)
+            return
+        index[mid] = msg
+        msg.refs += 1
         if isinstance(messages, PriorityBuffer):
             messages.insert_by_mid(msg)
         else:
@@ -470,6 +634,8 @@ class Queue:
 
     def remove(self, mid: int) -> None:
         """A message the log says left this queue."""
+        if self.tail_count:
+            self._promote_through(mid)
         msg = self._index().pop(mid, None)
         if msg is None:
             return
@@ -485,6 +651,8 @@ class Queue:
         """Messages the log says left this queue, all at once: one pass over the queue,
         where `remove` of each would search it from the head, one at a time (a copy that
         drops a diverged suffix of 50,000 messages took minutes)."""
+        while self._promote():
+            pass
         index = self._index()
         gone = {id(m): m for m in (index.pop(mid, None) for mid in mids) if m is not None}
         if not gone:
@@ -500,10 +668,13 @@ class Queue:
             msg.refs -= 1
 
     def holds(self, mid: int) -> bool:
+        """True when the queue holds message `mid` in memory (a paged one is the store's)."""
         return mid in self._index()
 
     def mark(self, mid: int) -> None:
         """A message the log says was delivered: after failover it goes out redelivered."""
+        if self.tail_count:
+            self._promote_through(mid)
         msg = self._index().get(mid)
         if msg is not None:
             msg.redelivered = True
@@ -554,4 +725,13 @@ class Queue:
         for msg in self.messages:
             msg.refs -= 1
         self.messages.clear()
+        # The store forgets the pages with the queue (Disk.forget_queue).
+        for item in self.tail:
+            if not isinstance(item, Page):
+                item.refs -= 1
+        for msg in self.filling:
+            msg.refs -= 1
+        self.tail.clear()
+        self.filling.clear()
+        self.tail_count = self.tail_bytes = self.filling_bytes = 0
         self.bytes = 0

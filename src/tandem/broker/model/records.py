@@ -115,14 +115,17 @@ Scanned = tuple[int, int, int, bytes]  # type (with its MORE bit), epoch, offset
 
 
 def scan(
-    data: bytes, where: str = "log", stop_at_corrupt: bool = False
+    data: bytes,
+    where: str = "log",
+    stop_at_corrupt: bool = False,
+    positions: list[int] | None = None,
 ) -> tuple[list[Scanned], int, list[Corruption], bool]:
     """Read the frames in `data`, in order.
 
     Returns the records, the byte length of the good data before anything skipped or cut, the
     corrupt spots, and whether the data ends in a torn tail (a record cut short that no valid
     record follows). A corrupt spot followed by a valid record is skipped and named, unless
-    `stop_at_corrupt`, when reading stops there.
+    `stop_at_corrupt`, when reading stops there. `positions` gets each record's first byte.
     """
     records: list[Scanned] = []
     corrupt: list[Corruption] = []
@@ -136,6 +139,8 @@ def scan(
             end = pos + REC_HDR.size + length
             rtype, epoch, offset = REC_META.unpack_from(data, pos + REC_HDR.size)
             records.append((rtype & (TYPE_MASK | MORE), epoch, offset, data[pos + HEADER : end]))
+            if positions is not None:
+                positions.append(pos)
             pos = good_end = end
             continue
         nxt = _next_valid(data, pos + 1)
@@ -359,6 +364,12 @@ def enqueue(vhost: str, queue: str, msg: Message) -> bytes:
 def enqueue_at(where: bytes, msg: Message) -> bytes:
     """An ENQUEUE payload of the queue at `where` (see `place`), joined."""
     return b"".join(enqueue_parts(where, msg))
+
+
+def enqueue_size(where: bytes, msg: Message) -> int:
+    """The length of the frame of `enqueue_parts(where, msg)`."""
+    fixed = HEADER + len(where) + U64.size + 4 * U32.size
+    return fixed + len(msg.route) + len(msg.props) + msg.body_size
 
 
 def enqueue_parts(where: bytes, msg: Message) -> list[bytes]:

@@ -54,7 +54,7 @@ def _message(m: Message) -> dict[str, Any]:
 
 
 def _queue(q: Queue, durable_only: bool, replicated_only: bool = False) -> dict[str, Any]:
-    messages = [*q.messages, *sorted(q.outstanding.values(), key=lambda m: m.mid)]
+    messages = [*q.all_ready(), *sorted(q.outstanding.values(), key=lambda m: m.mid)]
     if durable_only:
         messages = [m for m in messages if m.persistent]
     if replicated_only and q.replicate != "all":

@@ -256,9 +256,9 @@ class VirtualHost:
             return 0
         if if_unused and q.consumers:
             raise errors.PreconditionFailed(f"queue '{q.name}' in vhost '{self.name}' in use")
-        if if_empty and q.messages:
+        if if_empty and q.ready:
             raise errors.PreconditionFailed(f"queue '{q.name}' in vhost '{self.name}' is not empty")
-        count = len(q.messages)
+        count = q.ready
         for ex in list(self.exchanges.values()):
             for b in list(ex.bindings.values()):
                 if b.destination is q:

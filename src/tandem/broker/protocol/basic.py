@@ -98,7 +98,7 @@ def get(conn: Connection, ch: Channel, m: commands.Basic.Get) -> None:
         frames.METHOD_IDS.pack(60, 71)
         + U64_U8.pack(tag, msg.redelivered)
         + msg.route
-        + len(q.messages).to_bytes(4, "big")
+        + q.ready.to_bytes(4, "big")
     )
     parts: list[bytes | memoryview] = [FRAME_HDR.pack(1, ch.number, len(payload)), payload]
     parts.append(FRAME_END_BYTE)

@@ -36,7 +36,7 @@ def declare(conn: Connection, ch: Channel, m: commands.Queue.Declare) -> None:
     q.touch()
     ch.last_queue = q.name
     if not m.nowait:
-        ok = frames.queue_declare_ok(ch.number, q.name, len(q.messages), len(q.consumers))
+        ok = frames.queue_declare_ok(ch.number, q.name, q.ready, len(q.consumers))
         conn.reply_data(ch, ok, durable=True)
 
 

@@ -13,8 +13,15 @@ Housekeeping takes no position: a new segment starts with a SNAPSHOT of the dura
 definitions stamped with the current position, so a segment is needed only for the persistent
 messages still alive in it. The oldest segments are deleted once they hold no live message;
 when the log holds more than `max_segments`, the live messages of the oldest are written again
-as they were (same frame, same position) and it is deleted. Recovery replays the segments in
+as they were (same frame, same position) and it is deleted, once few of them are live
+(`CARRY_BELOW`). Recovery replays the segments in
 order through the model's one apply path.
+
+Paging: a lone node's queue deeper than its memory budget leaves the messages after its head
+in the log (`page_out`), and the store reads them back (`page_in`) by where their ENQUEUE
+records are: a page is a few runs of bytes of the segments, read with one pread each. A
+segment a page reads from is pinned: compaction never carries it forward, so its records stay
+where the page says; it goes once the page is read back and its messages are consumed.
 """
 
 from __future__ import annotations
@@ -31,12 +38,20 @@ from pathlib import Path
 
 from tandem.broker.model import apply, records
 from tandem.broker.model.broker import Broker
-from tandem.broker.model.journal import Sequencer
+from tandem.broker.model.journal import Page, Sequencer
+from tandem.broker.model.message import Message
+from tandem.broker.model.queue import Queue
 from tandem.broker.model.records import Corruption
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str, int]  # (vhost, queue, message id)
+# Where a record is, one int: its segment number, then its first byte in the segment.
+AT_BITS = 32
+AT_MASK = (1 << AT_BITS) - 1
+# Compaction carries an old segment's live messages forward only once fewer than one in this
+# many of its messages are live: a segment still mostly live empties as consumers go on.
+CARRY_BELOW = 8
 
 
 @dataclass(slots=True)
@@ -74,6 +89,7 @@ class Store:
         fsync: bool = True,
         segment_bytes: int = 64 << 20,
         max_segments: int = 16,
+        page_bytes: int = 0,
     ) -> None:
         self.dir = Path(data_dir) / "log"
         self.fsync = fsync
@@ -85,7 +101,14 @@ class Store:
         self.segments: collections.OrderedDict[int, int] = collections.OrderedDict()  # live
         self.active = 0  # number of the active segment
         self.active_size = 0
-        self.where: dict[Key, int] = {}  # live message -> segment
+        # Each live message in memory -> where its ENQUEUE record is (AT_BITS); a paged one
+        # is its page's instead.
+        self.where: dict[Key, int] = {}
+        self.page_bytes = page_bytes
+        self.pages: dict[tuple[str, str], set[Page]] = {}  # each queue's pages
+        self.pinned: collections.Counter[int] = collections.Counter()  # pages per segment
+        self.unwritten: collections.deque[Page] = collections.deque()  # pages held in memory
+        self.enqueued: collections.Counter[int] = collections.Counter()  # records per segment
         self.pending = _Batch()
         self.inflight: _Batch | None = None
         self.flush_scheduled = False
@@ -98,6 +121,7 @@ class Store:
         self.synced_batches = 0
         self.fsync_seconds: Callable[[float], None] = lambda s: None
         self.sizes: dict[int, int] = {}  # bytes of each segment known to be written
+        self.grouped: collections.deque[int] = collections.deque()  # replay: records' places
         self.generation = 0
 
     # -- the Disk port --
@@ -111,18 +135,121 @@ class Store:
     def write(self, rtype: int, offset: int, data: bytes, key: Key | None) -> None:
         self.handed = max(self.handed, offset)
         if rtype == records.ENQUEUE and key is not None:
-            self.where[key] = self.active
+            self.where[key] = (self.active << AT_BITS) | self.active_size
             self.segments[self.active] += 1
+            self.enqueued[self.active] += 1
         elif rtype == records.DEQUEUE and key is not None:
-            seg = self.where.pop(key, None)
-            if seg is None:
+            at = self.where.pop(key, None)
+            if at is None:
                 return  # its enqueue is gone from the log: nothing to cancel
-            self.segments[seg] -= 1
+            self.segments[at >> AT_BITS] -= 1
         self._append(data)
 
     def forget_queue(self, vhost: str, queue: str) -> None:
         for key in [k for k in self.where if k[0] == vhost and k[1] == queue]:
-            self.segments[self.where.pop(key)] -= 1
+            self.segments[self.where.pop(key) >> AT_BITS] -= 1
+        for page in list(self.pages.get((vhost, queue), ())):
+            self._release(page)
+            for seg, n in page.segs.items():
+                self.segments[seg] -= n
+
+    # -- pages --
+
+    def page_out(self, key: tuple[str, str], place: bytes, msgs: list[Message]) -> Page | None:
+        """Leave a queue's messages in the log (Journal.page_out): their records' places
+        become the page's, held in memory until the records are written."""
+        where = self.where
+        vhost, queue = key
+        ats = []
+        for m in msgs:
+            at = where.get((vhost, queue, m.mid))
+            if at is None:
+                return None
+            ats.append(at)
+        page = Page(key, msgs)
+        extents: list[list[int]] = []
+        for m, at in zip(msgs, ats, strict=True):
+            seg, pos = at >> AT_BITS, at & AT_MASK
+            end = pos + records.enqueue_size(place, m)
+            if extents and extents[-1][0] == seg and extents[-1][2] <= pos:
+                extents[-1][2] = end
+            else:
+                extents.append([seg, pos, end])
+            page.segs[seg] = page.segs.get(seg, 0) + 1
+            del where[(vhost, queue, m.mid)]
+        page.extents = [(seg, start, end) for seg, start, end in extents]
+        for seg in page.segs:
+            self.pinned[seg] += 1
+        self.pages.setdefault(key, set()).add(page)
+        if not self._on_disk(page):
+            page.held = list(zip(msgs, ats, strict=True))
+            self.unwritten.append(page)
+        return page
+
+    def page_in(self, page: Page, queue: Queue, keep: bool) -> list[Message]:
+        """A page's messages (Journal.page_in): the ones held, or read from the log. Unless
+        `keep`, they are the queue's in memory again and the page is gone."""
+        found = page.held if page.held is not None else self._read(page, queue)
+        if not keep:
+            self._release(page)
+            vhost, name = page.key
+            where = self.where
+            for m, at in found:
+                where[(vhost, name, m.mid)] = at
+        return [m for m, _at in found]
+
+    def _on_disk(self, page: Page) -> bool:
+        seg, _start, end = page.extents[-1]
+        return end <= self.sizes.get(seg, 0)
+
+    def _release(self, page: Page) -> None:
+        pages = self.pages.get(page.key)
+        if pages is None or page not in pages:
+            return
+        pages.discard(page)
+        if not pages:
+            del self.pages[page.key]
+        for seg in page.segs:
+            self.pinned[seg] -= 1
+            if not self.pinned[seg]:
+                del self.pinned[seg]
+        if page.held is not None:
+            page.held = None
+            self.unwritten.remove(page)
+
+    def _read(self, page: Page, queue: Queue) -> list[tuple[Message, int]]:
+        """Read a page's messages back from its runs of the log: the queue's ENQUEUE records
+        there with the page's ids (a record carried forward, or a message of the queue kept
+        in memory, lies between pages)."""
+        place = records.place(*page.key)
+        out: list[tuple[Message, int]] = []
+        for seg, start, end in page.extents:
+            path = self._path(seg)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                data = os.pread(fd, end - start, start)
+            finally:
+                os.close(fd)
+            positions: list[int] = []
+            found, _good, corrupt, _torn = records.scan(data, str(path), positions=positions)
+            for c in corrupt:
+                log.error("corrupt record in a page of queue '%s': %s", page.key[1], c)
+            for (rtype, _epoch, _offset, payload), pos in zip(found, positions, strict=True):
+                if rtype & records.TYPE_MASK != records.ENQUEUE or not payload.startswith(place):
+                    continue
+                _v, _q, mid, route, props, body = records.read_enqueue(payload)
+                if page.first_mid <= mid <= page.last_mid:
+                    msg = apply.message(queue, mid, route, props, body)
+                    out.append((msg, (seg << AT_BITS) | (start + pos)))
+        if len(out) != page.count:
+            log.error(
+                "a page of queue '%s' in vhost '%s' read back %d of its %d messages",
+                page.key[1],
+                page.key[0],
+                len(out),
+                page.count,
+            )
+        return out
 
     def boundary(self, epoch: int, first: int) -> None:
         self.pending.epochs.append((epoch, first))
@@ -144,6 +271,10 @@ class Store:
         self.pending.epochs.clear()
         self.pending.generation = self.generation
         self.where.clear()
+        self.pages.clear()
+        self.pinned.clear()
+        self.unwritten.clear()
+        self.enqueued.clear()
         self.segments.clear()
         self.sizes.clear()
         self.active += 1
@@ -199,16 +330,20 @@ class Store:
         busy = {seg for seg, _ in self.pending.chunks}
         while len(self.segments) > self.max_segments:
             oldest = next(iter(self.segments))
-            if oldest == self.active or oldest in busy:
-                break
+            if oldest == self.active or oldest in busy or oldest in self.pinned:
+                break  # a page reads from it: the log holds a deep queue
+            if self.segments[oldest] * CARRY_BELOW > self.enqueued[oldest]:
+                break  # mostly live still: consumers will empty it, copying it would not
             self._carry_forward(oldest)
             # Deleted only after the batch holding the carried records is on disk.
             del self.segments[oldest]
+            self.enqueued.pop(oldest, None)
             self.pending.deletes.append(oldest)
         for seg in list(self.segments):
             if seg == self.active or seg in busy or self.segments[seg] > 0:
                 break
             del self.segments[seg]
+            self.enqueued.pop(seg, None)
             self.pending.deletes.append(seg)
 
     def _carry_forward(self, seg: int) -> None:
@@ -226,10 +361,12 @@ class Store:
                 continue
             vhost, queue, mid = records.read_key(payload)
             key = (vhost, queue, mid)
-            if self.where.get(key) != seg:
+            at = self.where.get(key)
+            if at is None or at >> AT_BITS != seg:
                 continue
-            self.where[key] = self.active
+            self.where[key] = (self.active << AT_BITS) | self.active_size
             self.segments[self.active] += 1
+            self.enqueued[self.active] += 1
             self._append(records.frame(records.ENQUEUE, epoch, offset, payload))
             moved += 1
         log.info("compaction: carried %d live messages out of segment %d", moved, seg)
@@ -316,6 +453,8 @@ class Store:
         self._synced = max(self._synced, batch.through)
         self.synced_batches += 1
         self.fsync_seconds(fut.result())
+        while self.unwritten and self._on_disk(self.unwritten[0]):
+            self.unwritten.popleft().held = None  # read back from the log from now on
         for cb in batch.callbacks:
             try:
                 cb()
@@ -378,7 +517,6 @@ class Store:
         self.dir.mkdir(parents=True, exist_ok=True)
         result = Recovered()
         paths = sorted(self.dir.glob("*.seg"))
-        live: dict[Key, int] = {}
         epochs = self._read_epochs()
         grouper = records.Grouper()
         sequencer.applying = True
@@ -386,11 +524,14 @@ class Store:
             for i, path in enumerate(paths):
                 seg = int(path.stem)
                 self.segments[seg] = 0
+                positions: list[int] = []
                 found, good_end, corrupt, torn = records.scan(
-                    path.read_bytes(), str(path), stop_at_corrupt
+                    path.read_bytes(), str(path), stop_at_corrupt, positions
                 )
                 if torn or (stop_at_corrupt and corrupt):
                     self._cut(path, good_end, result, "torn tail" if torn else "corrupt part")
+                # What a page made while replaying reads back is on disk already.
+                self.sizes[seg] = path.stat().st_size
                 for c in corrupt:
                     if stop_at_corrupt:
                         log.error(
@@ -399,30 +540,44 @@ class Store:
                     else:
                         log.error("corrupt record in the log, skipped: %s", c)
                 result.corrupt.extend(corrupt)
-                self._replay(broker, sequencer, seg, found, live, result, grouper)
+                self._replay(broker, sequencer, seg, found, positions, result, grouper)
                 if grouper.pending and i == len(paths) - 1:
                     # A transaction cut short by a crash: none of it happened.
                     size = sum(records.HEADER + len(r[3]) for r in grouper.pending)
                     self._cut(path, good_end - size, result, "unfinished transaction")
                     grouper.pending = []
+                    self.grouped.clear()
                 if stop_at_corrupt and corrupt:
                     for later in paths[i + 1 :]:
                         aside = later.with_suffix(".seg.bad")
                         later.rename(aside)
                         result.set_aside.append(str(aside))
                     break
-            for key, seg in live.items():
+            # What is live: the messages the queues hold in memory, and their pages.
+            replayed, self.where = self.where, {}
+            for key, at in replayed.items():
                 vh = broker.vhosts.get(key[0])
                 q = vh.queues.get(key[1]) if vh is not None else None
                 if q is not None and q.holds(key[2]):
-                    self.where[key] = seg
-                    self.segments[seg] += 1
+                    self.where[key] = at
+                    self.segments[at >> AT_BITS] += 1
+            for (vhost, queue), pages in list(self.pages.items()):
+                vh = broker.vhosts.get(vhost)
+                if vh is None or queue not in vh.queues:  # deleted with its vhost
+                    for page in list(pages):
+                        self._release(page)
+                    continue
+                for page in pages:
+                    for seg, n in page.segs.items():
+                        self.segments[seg] += n
             apply.done(broker)
             # Their owners' connections died with the process (as RabbitMQ deletes them).
             result.exclusive_dropped = apply.drop_exclusive(broker)
         finally:
             sequencer.applying = False
-        result.messages = len(self.where)
+        result.messages = len(self.where) + sum(
+            p.count for pages in self.pages.values() for p in pages
+        )
         # The epochs file knows where each epoch began, even when compaction deleted the
         # segment that held that record; what a torn or cut tail took away is dropped.
         known = [(e, o) for e, o in epochs if o <= sequencer.offset]
@@ -458,36 +613,48 @@ class Store:
         sequencer: Sequencer,
         seg: int,
         found: list[records.Scanned],
-        live: dict[Key, int],
+        positions: list[int],
         result: Recovered,
         grouper: records.Grouper,
     ) -> None:
-        for record in found:
+        grouped = self.grouped
+        for record, pos in zip(found, positions, strict=True):
+            grouped.append((seg << AT_BITS) | pos)
             for rec in grouper.add(record):
-                self._replay_one(broker, sequencer, seg, rec, live, result)
+                self._replay_one(broker, sequencer, grouped.popleft(), rec, result)
 
     def _replay_one(
         self,
         broker: Broker,
         sequencer: Sequencer,
-        seg: int,
+        at: int,
         record: records.Scanned,
-        live: dict[Key, int],
         result: Recovered,
     ) -> None:
         rtype, epoch, offset, payload = record
         result.records += 1
         if offset > sequencer.offset:  # a snapshot restates the position it was made at
             sequencer.follow(epoch, offset)
+        where = self.where
+        if rtype == records.ENQUEUE:
+            # Its place is known before it applies: the queue may page it at once. The last
+            # copy of a record carried forward is the one that counts.
+            key = records.read_key(payload)
+            before = where.get(key)
+            where[key] = at
+            self.enqueued[at >> AT_BITS] += 1
         try:
             apply.apply(broker, rtype, payload)
         except apply.NotApplied as exc:
+            if rtype == records.ENQUEUE:
+                if before is None:
+                    where.pop(key, None)
+                else:
+                    where[key] = before
             self._set_aside(epoch, offset, rtype, payload, str(exc), result)
             return
-        if rtype == records.ENQUEUE:
-            live[records.read_key(payload)] = seg
-        elif rtype == records.DEQUEUE:
-            live.pop(records.read_key(payload), None)
+        if rtype == records.DEQUEUE:
+            where.pop(records.read_key(payload), None)
 
     def _set_aside(
         self, epoch: int, offset: int, rtype: int, payload: bytes, why: str, result: Recovered
