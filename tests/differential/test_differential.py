@@ -28,12 +28,15 @@ PAGED_COUNT = int(os.environ.get("DIFFERENTIAL_PAGED_COUNT", "60"))
 
 
 @pytest.mark.timeout(60 + 3 * PAGED_COUNT)
-def test_a_restart_brings_back_exactly_what_a_client_left_when_every_queue_pages(
+def test_a_restart_brings_back_exactly_what_a_client_left_when_every_queue_pages_and_checkpoints(
     tmp_path: Path,
 ) -> None:
     """The same with a memory budget of one byte: every persistent message after a queue's
-    first stays in the log, a page of its own, read back when the queue gets to it."""
-    figures = harness.run(tmp_path, PAGED_COUNT, config={"queue_memory_bytes": 1})
+    first stays in the log, a page of its own, read back when the queue gets to it; and a
+    checkpoint after every durable record, so that each restart loads one and replays the
+    records after it."""
+    config = {"queue_memory_bytes": 1, "checkpoint_records": 1}
+    figures = harness.run(tmp_path, PAGED_COUNT, config=config)
     print(f"differential, paged: {figures}")
     assert figures["sequences"] >= PAGED_COUNT
 

@@ -3,6 +3,7 @@ persistent messages after it in the log, read back as the head runs out."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pika
@@ -109,3 +110,65 @@ def test_transient_messages_in_a_deep_queue_stay_in_memory_in_their_place(broker
         ch.basic_publish("", "mixed", body, pika.BasicProperties(delivery_mode=mode))
     conn.close()
     assert numbers(consume_all(broker, "mixed")) == list(range(1000))
+
+
+# Checkpoints every 500 durable records: restarts below load one and replay what follows it.
+CHECKPOINTS = {**SMALL, "checkpoint_records": 500}
+
+
+def recovered(broker: Broker) -> tuple[int, int]:
+    """(messages the last start's checkpoint named, records it replayed), from its log."""
+    line = [ln for ln in broker.log().splitlines() if "recovered" in ln][-1]
+    named = re.search(r"a checkpoint naming (\d+)", line)
+    replayed = re.search(r"then (\d+) records", line)
+    assert replayed is not None, line
+    return (int(named.group(1)) if named else -1), int(replayed.group(1))
+
+
+def test_a_restart_loads_a_checkpoint_and_replays_only_the_log_after_it(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    broker = broker_factory(CHECKPOINTS)
+    publish_confirmed(broker, "deep", 3000, size=1024)
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    ch = conn.channel()
+    for _ in range(1000):
+        m, _p, _b = ch.basic_get("deep")
+        ch.basic_ack(m.delivery_tag)
+    m, _p, _b = ch.basic_get("deep")
+    ch.basic_nack(m.delivery_tag, requeue=True)  # 1000 comes back redelivered
+    ch.queue_declare("deep", durable=True, passive=True)
+    conn.close()
+    publish_confirmed(broker, "deep", 20, size=1024)
+    broker.kill()
+    broker.start()
+    named, replayed = recovered(broker)
+    assert named > 0
+    assert replayed < 4100  # the whole log is 3000 + 1000 + 1 + 20 records and more
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    ch = conn.channel()
+    m, _p, body = ch.basic_get("deep", auto_ack=True)
+    assert (int(body.rstrip(b".")), m.redelivered) == (1000, True)
+    conn.close()
+    got = numbers(consume_all(broker, "deep"))
+    assert got == list(range(1001, 3000)) + list(range(20))
+
+
+def test_a_clean_stop_checkpoints_and_the_next_start_replays_nothing(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    broker = broker_factory(CHECKPOINTS)
+    publish_confirmed(broker, "deep", 1200, size=1024)
+    broker.restart()
+    assert recovered(broker) == (1200, 0)
+    assert numbers(consume_all(broker, "deep")) == list(range(1200))
+
+
+def test_a_damaged_checkpoint_is_named_and_the_whole_log_replayed(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    broker = broker_factory(CHECKPOINTS)
+    publish_confirmed(broker, "deep", 1200, size=1024)
+    broker.stop()
+    checkpoint = broker.data_dir / "log" / "checkpoint"
+    data = bytearray(checkpoint.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    checkpoint.write_bytes(bytes(data))
+    broker.start()
+    assert "checkpoint" in broker.log() and "not used" in broker.log()
+    assert recovered(broker)[0] == -1  # none used: the log replayed from its start
+    assert numbers(consume_all(broker, "deep")) == list(range(1200))

@@ -83,6 +83,9 @@ class Config(BaseModel):
     # Bytes of a queue's ready messages kept in memory (bodies, plus 256 for each message);
     # a lone node leaves the persistent messages after them in the log. 0 = all in memory.
     queue_memory_bytes: Bytes = 32 * 1024 * 1024
+    # A lone node checkpoints its log every this many durable records: a restart loads the
+    # checkpoint and replays at most about this many, however long the log. 0 = never.
+    checkpoint_records: Annotated[StrictInt, Field(ge=0)] = 50_000
     guest_remote: StrictBool = False  # let guest log in from other hosts than loopback
     users: list[UserSpec] = []
     vhosts: list[Name] = ["/"]

@@ -117,6 +117,7 @@ class Node:
                 segment_bytes=cfg.segment_bytes,
                 # A lone node pages its deep queues; a cluster member keeps them in memory.
                 page_bytes=cfg.queue_memory_bytes if cfg.replication_port is None else 0,
+                checkpoint_records=cfg.checkpoint_records if cfg.replication_port is None else 0,
             )
         self.sequencer = Sequencer(self.store)
         self.broker = Broker(self.sequencer)
@@ -399,10 +400,13 @@ class Node:
             )
             admin.bind_store_metrics(self.store)
             log.info(
-                "recovered %d records and %d messages from %s",
-                result.records,
+                "recovered %d messages from %s: %s, then %d records of the log replayed",
                 result.messages,
                 self.cfg.data_dir,
+                "no checkpoint"
+                if result.from_checkpoint is None
+                else f"a checkpoint naming {result.from_checkpoint}",
+                result.records,
             )
             self.not_applied = list(result.not_applied)
             if result.exclusive_dropped:

@@ -48,12 +48,14 @@ class Page:
 
     __slots__ = ("body_bytes", "count", "extents", "first_mid", "held", "key", "last_mid", "segs")
 
-    def __init__(self, key: tuple[str, str], msgs: list[Message]) -> None:
+    def __init__(
+        self, key: tuple[str, str], count: int, body_bytes: int, first_mid: int, last_mid: int
+    ) -> None:
         self.key = key  # (vhost, queue)
-        self.count = len(msgs)
-        self.body_bytes = sum(m.body_size for m in msgs)
-        self.first_mid = msgs[0].mid
-        self.last_mid = msgs[-1].mid
+        self.count = count
+        self.body_bytes = body_bytes
+        self.first_mid = first_mid
+        self.last_mid = last_mid
         # The store's: (segment, first byte, end byte) runs holding the records, the
         # records per segment, and the messages themselves until their records are written.
         self.extents: list[tuple[int, int, int]] = []
@@ -122,7 +124,8 @@ class Disk(Protocol):
         """Every durable record up to this offset is on disk."""
 
     def write(self, rtype: int, offset: int, data: bytes, key: tuple[str, str, int] | None) -> None:
-        """Append a durable record's frame; `key` names the message of an enqueue or dequeue."""
+        """Append a durable record's frame; `key` names the message of an enqueue, a dequeue
+        or a mark."""
 
     def forget_queue(self, vhost: str, queue: str) -> None:
         """A durable queue was deleted: its messages are no longer live."""
@@ -272,7 +275,8 @@ class Sequencer:
         if self.applying or not (msg.persistent and queue.durable):
             return 0
         key = records.key_at(_place(queue), msg.mid)
-        return self._record(records.MARK, key, True, queue.replicate == "all", None)
+        which = (queue.vhost.name, queue.name, msg.mid)
+        return self._record(records.MARK, key, True, queue.replicate == "all", which)
 
     def checkpoint(self, body: dict[str, Any]) -> int:
         """An audit marker in the replicated stream; returns its offset."""

@@ -632,6 +632,14 @@ class Queue:
         if msg.expiration is not None or self.ttl is not None:
             self.timed = True
 
+    def restore_page(self, page: Page) -> None:
+        """A page a checkpoint names, after every message restored before it."""
+        self._seal()
+        self.tail.append(page)
+        self.tail_count += page.count
+        self.tail_bytes += page.body_bytes
+        self.bytes += page.body_bytes
+
     def remove(self, mid: int) -> None:
         """A message the log says left this queue."""
         if self.tail_count:

@@ -133,7 +133,7 @@ def scan(
     n = len(data)
     good_end = 0
     while pos < n:
-        problem = _check(data, pos)
+        problem = problem_at(data, pos)
         if problem is None:
             _m, length, _crc = REC_HDR.unpack_from(data, pos)
             end = pos + REC_HDR.size + length
@@ -153,7 +153,20 @@ def scan(
     return records, good_end, corrupt, False
 
 
-def _check(data: bytes, pos: int) -> str | None:
+def read_at(data: bytes, pos: int) -> Scanned:
+    """The record whose frame begins at `pos`, known to be whole and valid (`problem_at`)."""
+    _m, length, _crc = REC_HDR.unpack_from(data, pos)
+    rtype, epoch, offset = REC_META.unpack_from(data, pos + REC_HDR.size)
+    return (
+        rtype & (TYPE_MASK | MORE),
+        epoch,
+        offset,
+        data[pos + HEADER : pos + REC_HDR.size + length],
+    )
+
+
+def problem_at(data: bytes, pos: int) -> str | None:
+    """What is wrong with the frame at `pos`, or None."""
     n = len(data)
     if n - pos < REC_HDR.size:
         return "truncated record header"
@@ -173,7 +186,7 @@ def _check(data: bytes, pos: int) -> str | None:
 def _next_valid(data: bytes, start: int) -> int | None:
     pos = data.find(MAGIC, start)
     while pos != -1:
-        if _check(data, pos) is None:
+        if problem_at(data, pos) is None:
             return pos
         pos = data.find(MAGIC, pos + 1)
     return None

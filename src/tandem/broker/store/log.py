@@ -22,19 +22,36 @@ in the log (`page_out`), and the store reads them back (`page_in`) by where thei
 records are: a page is a few runs of bytes of the segments, read with one pread each. A
 segment a page reads from is pinned: compaction never carries it forward, so its records stay
 where the page says; it goes once the page is read back and its messages are consumed.
+
+Checkpoints: a lone node writes `<data_dir>/log/checkpoint` every `checkpoint_records` durable
+records, once they are on disk. It holds the state at one point of the log (the resume point):
+the position and epochs, the durable definitions (as a SNAPSHOT restates them), and where
+each live message's record is (the `where` index, the pages, the requeued marks). Recovery
+loads it, reads the live messages in memory from their records, and replays only the log after
+the resume point, so that a restart does not take longer as the log grows. Everything the
+checkpoint names is at or before the resume point; what is gone from the log since (a segment
+compaction deleted) was consumed or carried forward after it, which the replay applies. A
+checkpoint that is unreadable, or whose resume point is gone from the log, is not used: the
+whole log is replayed, as without one.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
+import binascii
 import collections
+import json
 import logging
 import os
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tandem.broker.model import apply, records
 from tandem.broker.model.broker import Broker
@@ -52,6 +69,7 @@ AT_MASK = (1 << AT_BITS) - 1
 # Compaction carries an old segment's live messages forward only once fewer than one in this
 # many of its messages are live: a segment still mostly live empties as consumers go on.
 CARRY_BELOW = 8
+CHECKPOINT_MAGIC = b"TANDEM-CHECKPOINT-1\n"
 
 
 @dataclass(slots=True)
@@ -65,6 +83,8 @@ class Recovered:
     # to not-applied/ in the data dir, where an operator can read it.
     not_applied: list[str] = field(default_factory=list)
     exclusive_dropped: list[str] = field(default_factory=list)
+    # Messages a checkpoint named (in memory or in pages), or None when none was used.
+    from_checkpoint: int | None = None
 
 
 class _Batch:
@@ -90,6 +110,7 @@ class Store:
         segment_bytes: int = 64 << 20,
         max_segments: int = 16,
         page_bytes: int = 0,
+        checkpoint_records: int = 0,
     ) -> None:
         self.dir = Path(data_dir) / "log"
         self.fsync = fsync
@@ -109,6 +130,12 @@ class Store:
         self.pinned: collections.Counter[int] = collections.Counter()  # pages per segment
         self.unwritten: collections.deque[Page] = collections.deque()  # pages held in memory
         self.enqueued: collections.Counter[int] = collections.Counter()  # records per segment
+        self.marked: set[Key] = set()  # live messages with a durable MARK (requeued)
+        self.checkpoint_records = checkpoint_records  # 0: no checkpoints
+        self.since_checkpoint = 0
+        self.checkpoint_scheduled = False
+        self.checkpoints_made = 0  # the newest checkpoint written wins, whichever thread ends first
+        self.checkpoint_written = 0
         self.pending = _Batch()
         self.inflight: _Batch | None = None
         self.flush_scheduled = False
@@ -143,11 +170,22 @@ class Store:
             if at is None:
                 return  # its enqueue is gone from the log: nothing to cancel
             self.segments[at >> AT_BITS] -= 1
+            if self.marked:
+                self.marked.discard(key)
+        elif rtype == records.MARK and key is not None:
+            self.marked.add(key)
         self._append(data)
+        if self.checkpoint_records:
+            self.since_checkpoint += 1
+            if self.since_checkpoint >= self.checkpoint_records and not self.checkpoint_scheduled:
+                self.checkpoint_scheduled = True
+                assert self.loop is not None
+                self.loop.call_soon(self.checkpoint)  # once the change under way is whole
 
     def forget_queue(self, vhost: str, queue: str) -> None:
         for key in [k for k in self.where if k[0] == vhost and k[1] == queue]:
             self.segments[self.where.pop(key) >> AT_BITS] -= 1
+            self.marked.discard(key)
         for page in list(self.pages.get((vhost, queue), ())):
             self._release(page)
             for seg, n in page.segs.items():
@@ -166,7 +204,7 @@ class Store:
             if at is None:
                 return None
             ats.append(at)
-        page = Page(key, msgs)
+        page = Page(key, len(msgs), sum(m.body_size for m in msgs), msgs[0].mid, msgs[-1].mid)
         extents: list[list[int]] = []
         for m, at in zip(msgs, ats, strict=True):
             seg, pos = at >> AT_BITS, at & AT_MASK
@@ -217,14 +255,17 @@ class Store:
             page.held = None
             self.unwritten.remove(page)
 
-    def _read(self, page: Page, queue: Queue) -> list[tuple[Message, int]]:
+    def _read(self, page: Page, queue: Queue, whole: bool = True) -> list[tuple[Message, int]]:
         """Read a page's messages back from its runs of the log: the queue's ENQUEUE records
         there with the page's ids (a record carried forward, or a message of the queue kept
-        in memory, lies between pages)."""
+        in memory, lies between pages). Unless `whole`, a run whose segment is gone is
+        skipped (its messages were consumed)."""
         place = records.place(*page.key)
         out: list[tuple[Message, int]] = []
         for seg, start, end in page.extents:
             path = self._path(seg)
+            if not whole and not path.exists():
+                continue
             fd = os.open(path, os.O_RDONLY)
             try:
                 data = os.pread(fd, end - start, start)
@@ -241,7 +282,7 @@ class Store:
                 if page.first_mid <= mid <= page.last_mid:
                     msg = apply.message(queue, mid, route, props, body)
                     out.append((msg, (seg << AT_BITS) | (start + pos)))
-        if len(out) != page.count:
+        if whole and len(out) != page.count:
             log.error(
                 "a page of queue '%s' in vhost '%s' read back %d of its %d messages",
                 page.key[1],
@@ -265,6 +306,7 @@ class Store:
             self.fds.clear()
             for path in self.dir.glob("*.seg"):
                 path.unlink()
+            (self.dir / "checkpoint").unlink(missing_ok=True)
             self._rewrite_epochs(boundaries)
         self.pending.chunks.clear()
         self.pending.deletes.clear()
@@ -275,6 +317,7 @@ class Store:
         self.pinned.clear()
         self.unwritten.clear()
         self.enqueued.clear()
+        self.marked.clear()
         self.segments.clear()
         self.sizes.clear()
         self.active += 1
@@ -499,6 +542,184 @@ class Store:
                     os.close(dfd)
         return fd
 
+    # -- checkpoints --
+
+    def checkpoint(self) -> None:
+        """Take a checkpoint of the state now; written once every record it names is on
+        disk."""
+        self.checkpoint_scheduled = False
+        self.since_checkpoint = 0
+        if self.broker is None or self.sequencer is None or self.loop is None:
+            return
+        self.checkpoints_made += 1
+        data, number, generation = self._checkpoint_bytes(), self.checkpoints_made, self.generation
+        loop = self.loop
+
+        def write() -> None:
+            loop.run_in_executor(None, self._write_checkpoint, data, number, generation)
+
+        self.when_synced(write)
+
+    def _checkpoint_bytes(self) -> bytes:
+        assert self.broker is not None and self.sequencer is not None
+        sequencer = self.sequencer
+        by_queue: dict[tuple[str, str], list[tuple[int, int]]] = {}
+        for (vhost, queue, mid), at in self.where.items():
+            by_queue.setdefault((vhost, queue), []).append((mid, at))
+        queues = []
+        for key in by_queue.keys() | self.pages.keys():
+            held = by_queue.get(key, [])
+            queues.append(
+                {
+                    "vhost": key[0],
+                    "queue": key[1],
+                    # Ids as (offset, epoch) and places, as arrays: a queue's head may hold
+                    # a hundred thousand messages.
+                    "offsets": _packed("Q", [records.mid_offset(mid) for mid, _at in held]),
+                    "epochs": _packed("L", [records.mid_epoch(mid) for mid, _at in held]),
+                    "at": _packed("Q", [at for _mid, at in held]),
+                    "pages": [
+                        [p.count, p.body_bytes, p.first_mid, p.last_mid, p.extents, p.segs]
+                        for p in self.pages.get(key, ())
+                    ],
+                }
+            )
+        body = {
+            "epoch": sequencer.epoch,
+            "offset": sequencer.offset,
+            "boundaries": sequencer.boundaries,
+            "resume": [self.active, self.active_size],
+            "definitions": base64.b64encode(
+                records.encode_body(apply.durable_definitions(self.broker))
+            ).decode(),
+            "queues": queues,
+            "marked": [list(k) for k in self.marked],
+            "enqueued": self.enqueued,
+        }
+        text = json.dumps(body, separators=(",", ":")).encode()
+        return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
+
+    def _write_checkpoint(self, data: bytes, number: int, generation: int) -> None:
+        with self.lock:
+            if generation != self.generation or number <= self.checkpoint_written:
+                return  # the log was reset since, or a newer checkpoint is written already
+            path = self.dir / "checkpoint"
+            tmp = path.with_name("checkpoint.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self.checkpoint_written = number
+
+    def _read_checkpoint(self) -> dict[str, Any] | None:
+        path = self.dir / "checkpoint"
+        if not path.exists():
+            return None
+        raw = path.read_bytes()
+        head = len(CHECKPOINT_MAGIC)
+        text = raw[head + 4 :]
+        try:
+            if raw[:head] != CHECKPOINT_MAGIC or zlib.crc32(text) != int.from_bytes(
+                raw[head : head + 4], "big"
+            ):
+                raise ValueError("not a checkpoint, or a damaged one")
+            body: dict[str, Any] = json.loads(text)
+            for entry in body["queues"]:  # whole, before anything of it is applied
+                ids = [_unpacked(t, entry[k]) for t, k in (("Q", "offsets"), ("L", "epochs"))]
+                if not len(ids[0]) == len(ids[1]) == len(_unpacked("Q", entry["at"])):
+                    raise ValueError(f"queue '{entry['queue']}': arrays of unequal length")
+                for _c, _b, _first, _last, extents, segs in entry["pages"]:
+                    [(int(a), int(b), int(c)) for a, b, c in extents]
+                    {int(k): int(v) for k, v in segs.items()}
+            seg, pos = body["resume"]
+            if not self._path(seg).exists() or self._path(seg).stat().st_size < pos:
+                raise ValueError(f"its resume point, segment {seg} byte {pos}, is gone")
+        except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
+            log.warning("checkpoint %s not used (%s): replaying the whole log", path, exc)
+            return None
+        return body
+
+    def _load_checkpoint(
+        self, body: dict[str, Any], broker: Broker, sequencer: Sequencer, result: Recovered
+    ) -> int:
+        """Make the state the checkpoint names; returns the messages it named that are in
+        memory now or in pages."""
+        sequencer.boundaries = [(e, o) for e, o in body["boundaries"]]
+        sequencer.offset = body["offset"]
+        sequencer.epoch = max(sequencer.epoch, body["epoch"])
+        apply.apply(broker, records.SNAPSHOT, base64.b64decode(body["definitions"]))
+        self.enqueued.update({int(seg): n for seg, n in body["enqueued"].items()})
+        wanted: dict[int, list[tuple[Queue, int, int]]] = {}  # segment -> (queue, mid, pos)
+        pages: dict[Queue, list[Page]] = {}
+        for entry in body["queues"]:
+            vh = broker.vhosts.get(entry["vhost"])
+            q = vh.queues.get(entry["queue"]) if vh is not None else None
+            if q is None:
+                continue
+            ids = zip(
+                _unpacked("Q", entry["offsets"]),
+                _unpacked("L", entry["epochs"]),
+                _unpacked("Q", entry["at"]),
+                strict=True,
+            )
+            for offset, epoch, at in ids:
+                wanted.setdefault(at >> AT_BITS, []).append(
+                    (q, records.mid(epoch, offset), at & AT_MASK)
+                )
+            for count, body_bytes, first, last, extents, segs in entry["pages"]:
+                page = Page((q.vhost.name, q.name), count, body_bytes, first, last)
+                page.extents = [(seg, start, end) for seg, start, end in extents]
+                page.segs = {int(seg): n for seg, n in segs.items()}
+                pages.setdefault(q, []).append(page)
+        items: dict[Queue, list[tuple[int, Message | Page]]] = {}
+        for seg, entries in wanted.items():
+            path = self._path(seg)
+            if not path.exists():
+                continue  # consumed, or carried forward, after the resume point
+            data = path.read_bytes()
+            for q, mid, pos in entries:
+                problem = records.problem_at(data, pos)
+                if problem is not None:
+                    corrupt = Corruption(str(path), pos, problem)
+                    log.error("corrupt record in the log, skipped: %s", corrupt)
+                    result.corrupt.append(corrupt)
+                    continue
+                payload = records.read_at(data, pos)[3]
+                _v, _q, _mid, route, props, body_ = records.read_enqueue(payload)
+                self.where[(q.vhost.name, q.name, mid)] = (seg << AT_BITS) | pos
+                items.setdefault(q, []).append((mid, apply.message(q, mid, route, props, body_)))
+        for q, queue_pages in pages.items():
+            for page in queue_pages:
+                if all(self._path(seg).exists() for seg, _s, _e in page.extents):
+                    items.setdefault(q, []).append((page.first_mid, page))
+                    continue
+                # Part of it was consumed since: what is left comes back as messages.
+                for msg, at in self._read(page, q, whole=False):
+                    self.where[(q.vhost.name, q.name, msg.mid)] = at
+                    items.setdefault(q, []).append((msg.mid, msg))
+        count = 0
+        for q, queue_items in items.items():
+            queue_items.sort(key=lambda item: item[0])
+            for _mid, item in queue_items:
+                if isinstance(item, Page):
+                    self.pages.setdefault(item.key, set()).add(item)
+                    for seg in item.segs:
+                        self.pinned[seg] += 1
+                    q.restore_page(item)
+                    count += item.count
+                else:
+                    q.restore(item)
+                    count += 1
+        for vhost, queue, mid in body["marked"]:
+            vh = broker.vhosts.get(vhost)
+            q = vh.queues.get(queue) if vh is not None else None
+            if q is not None:
+                q.mark(mid)
+                self.marked.add((vhost, queue, mid))
+        return count
+
     # -- open and recover --
 
     def open(
@@ -519,15 +740,41 @@ class Store:
         paths = sorted(self.dir.glob("*.seg"))
         epochs = self._read_epochs()
         grouper = records.Grouper()
+        if self.checkpoint_records:
+            checkpoint = self._read_checkpoint()
+        else:  # a cluster member's log may be replaced: an old checkpoint would not fit it
+            (self.dir / "checkpoint").unlink(missing_ok=True)
+            checkpoint = None
         sequencer.applying = True
         try:
+            resume_seg = resume_pos = 0
+            if checkpoint is not None:
+                for path in paths:  # the records it names are on disk
+                    self.sizes[int(path.stem)] = path.stat().st_size
+                try:
+                    result.from_checkpoint = self._load_checkpoint(
+                        checkpoint, broker, sequencer, result
+                    )
+                    resume_seg, resume_pos = checkpoint["resume"]
+                except apply.NotApplied as exc:
+                    log.error("checkpoint not applied (%s): replaying the whole log", exc)
             for i, path in enumerate(paths):
                 seg = int(path.stem)
                 self.segments[seg] = 0
+                if seg < resume_seg:  # the checkpoint holds what it says
+                    self.sizes[seg] = path.stat().st_size
+                    continue
+                base = resume_pos if seg == resume_seg else 0
+                data = path.read_bytes()
                 positions: list[int] = []
                 found, good_end, corrupt, torn = records.scan(
-                    path.read_bytes(), str(path), stop_at_corrupt, positions
+                    data[base:] if base else data, str(path), stop_at_corrupt, positions
                 )
+                if base:
+                    positions = [base + p for p in positions]
+                    good_end += base
+                    for c in corrupt:
+                        c.offset += base
                 if torn or (stop_at_corrupt and corrupt):
                     self._cut(path, good_end, result, "torn tail" if torn else "corrupt part")
                 # What a page made while replaying reads back is on disk already.
@@ -596,6 +843,8 @@ class Store:
         else:
             self.active = 1
             self.segments[self.active] = 0
+        if self.checkpoint_records and result.records >= self.checkpoint_records:
+            self.checkpoint()  # the next start need not replay all that again
         return result
 
     def _cut(self, path: Path, at: int, result: Recovered, why: str) -> None:
@@ -696,6 +945,18 @@ class Store:
         os.replace(tmp, path)
 
     def close(self) -> None:
+        """Stop; a last checkpoint if anything changed since one and all of it is on disk
+        (the next start then replays nothing)."""
+        if (
+            self.checkpoint_records
+            and self.since_checkpoint
+            and self.broker is not None
+            and self.write_error is None
+            and self.inflight is None
+            and not self.pending.chunks
+        ):
+            self.checkpoints_made += 1
+            self._write_checkpoint(self._checkpoint_bytes(), self.checkpoints_made, self.generation)
         with self.lock:
             for fd in self.fds.values():
                 os.close(fd)
@@ -708,6 +969,16 @@ class Store:
             "position": self.handed,
             "synced": self.synced,
         }
+
+
+def _packed(typecode: str, values: list[int]) -> str:
+    return base64.b64encode(array.array(typecode, values).tobytes()).decode()
+
+
+def _unpacked(typecode: str, text: str) -> array.array[int]:
+    out = array.array(typecode)
+    out.frombytes(base64.b64decode(text))
+    return out
 
 
 IOV_MAX = 1024  # what Linux takes in one writev
