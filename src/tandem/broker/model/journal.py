@@ -115,6 +115,9 @@ class Journal(Protocol):
     def page_in(self, page: Page, queue: Queue, keep: bool = False) -> list[Message]:
         """A page's messages, read back; the page is gone from the store unless `keep`."""
 
+    def page_drop(self, page: Page) -> None:
+        """A page's messages are gone (their queue was deleted)."""
+
 
 class Disk(Protocol):
     """The store, as the Sequencer sees it."""
@@ -140,6 +143,9 @@ class Disk(Protocol):
 
     def page_in(self, page: Page, queue: Queue, keep: bool) -> list[Message]:
         """See Journal.page_in."""
+
+    def page_drop(self, page: Page) -> None:
+        """See Journal.page_drop."""
 
 
 class Shipper(Protocol):
@@ -341,6 +347,10 @@ class Sequencer:
     def page_in(self, page: Page, queue: Queue, keep: bool = False) -> list[Message]:
         assert self.disk is not None
         return self.disk.page_in(page, queue, keep)
+
+    def page_drop(self, page: Page) -> None:
+        if self.disk is not None:
+            self.disk.page_drop(page)
 
     def end_group(self) -> None:
         """Emit the group's records, each but the last marked MORE."""

@@ -378,8 +378,14 @@ class Queue:
                 index.pop(m.mid, None)
 
     def _promote(self) -> bool:
-        """Move the tail's first item (a page read back, or a message) to the head's end;
-        False when the tail is empty."""
+        """Move the tail's first items (a page read back, or a message) to the head's end,
+        until one brings a message; False when none is left."""
+        while self.tail_count:
+            if self._promote_one():
+                return True
+        return False
+
+    def _promote_one(self) -> bool:
         tail = self.tail
         if tail:
             item = tail.popleft()
@@ -407,7 +413,7 @@ class Queue:
         if index is not None:
             for m in msgs:
                 index[m.mid] = m
-        return True
+        return bool(msgs)
 
     def _tail_first_mid(self) -> int:
         if self.tail:
@@ -466,7 +472,7 @@ class Queue:
         """Hand ready messages to consumers that can take them."""
         messages = self.messages
         consumers = self.consumers
-        if not messages or not consumers:
+        if not (messages or self.tail_count) or not consumers:
             return
         if self.timed:
             self.expire_head()
@@ -609,12 +615,17 @@ class Queue:
         index = self._index()
         mid = msg.mid
         if self.tail_count and mid <= self._tail_last_mid():
+            # It belongs among or before the tail (a record carried forward by compaction
+            # comes after later ones): what may come before it is brought into memory.
             self._promote_through(mid)
         if mid in index:
             return
+        if msg.expiration is not None or self.ttl is not None:
+            self.timed = True
         messages = self.messages
-        if self.tail_count or (
-            self.pageable
+        if (self.tail_count and mid > self._tail_last_mid()) or (
+            not self.tail_count
+            and self.pageable
             and msg.persistent
             and (not messages or messages[-1].mid < mid)
             and self._over_budget()
@@ -733,9 +744,11 @@ class Queue:
         for msg in self.messages:
             msg.refs -= 1
         self.messages.clear()
-        # The store forgets the pages with the queue (Disk.forget_queue).
+        journal = self.vhost.journal
         for item in self.tail:
-            if not isinstance(item, Page):
+            if isinstance(item, Page):
+                journal.page_drop(item)
+            else:
                 item.refs -= 1
         for msg in self.filling:
             msg.refs -= 1

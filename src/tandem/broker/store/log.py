@@ -149,6 +149,7 @@ class Store:
         self.fsync_seconds: Callable[[float], None] = lambda s: None
         self.sizes: dict[int, int] = {}  # bytes of each segment known to be written
         self.grouped: collections.deque[int] = collections.deque()  # replay: records' places
+        self.recovering = False
         self.generation = 0
 
     # -- the Disk port --
@@ -187,7 +188,15 @@ class Store:
             self.segments[self.where.pop(key) >> AT_BITS] -= 1
             self.marked.discard(key)
         for page in list(self.pages.get((vhost, queue), ())):
-            self._release(page)
+            self.page_drop(page)
+
+    def page_drop(self, page: Page) -> None:
+        """A page's messages are gone with their queue (Journal.page_drop)."""
+        pages = self.pages.get(page.key)
+        if pages is None or page not in pages:
+            return
+        self._release(page)
+        if not self.recovering:  # recovery counts what is live once it is over
             for seg, n in page.segs.items():
                 self.segments[seg] -= n
 
@@ -206,10 +215,12 @@ class Store:
             ats.append(at)
         page = Page(key, len(msgs), sum(m.body_size for m in msgs), msgs[0].mid, msgs[-1].mid)
         extents: list[list[int]] = []
-        for m, at in zip(msgs, ats, strict=True):
+        # In the order of the log: compaction may have carried a record forward, past later
+        # ones (`_read` puts them back in order).
+        for at, m in sorted(zip(ats, msgs, strict=True), key=lambda pair: pair[0]):
             seg, pos = at >> AT_BITS, at & AT_MASK
             end = pos + records.enqueue_size(place, m)
-            if extents and extents[-1][0] == seg and extents[-1][2] <= pos:
+            if extents and extents[-1][0] == seg:
                 extents[-1][2] = end
             else:
                 extents.append([seg, pos, end])
@@ -237,8 +248,7 @@ class Store:
         return [m for m, _at in found]
 
     def _on_disk(self, page: Page) -> bool:
-        seg, _start, end = page.extents[-1]
-        return end <= self.sizes.get(seg, 0)
+        return all(end <= self.sizes.get(seg, 0) for seg, _start, end in page.extents)
 
     def _release(self, page: Page) -> None:
         pages = self.pages.get(page.key)
@@ -261,7 +271,7 @@ class Store:
         in memory, lies between pages). Unless `whole`, a run whose segment is gone is
         skipped (its messages were consumed)."""
         place = records.place(*page.key)
-        out: list[tuple[Message, int]] = []
+        out: dict[int, tuple[Message, int]] = {}  # by id: a copy carried forward counts once
         for seg, start, end in page.extents:
             path = self._path(seg)
             if not whole and not path.exists():
@@ -279,9 +289,9 @@ class Store:
                 if rtype & records.TYPE_MASK != records.ENQUEUE or not payload.startswith(place):
                     continue
                 _v, _q, mid, route, props, body = records.read_enqueue(payload)
-                if page.first_mid <= mid <= page.last_mid:
+                if page.first_mid <= mid <= page.last_mid and mid not in out:
                     msg = apply.message(queue, mid, route, props, body)
-                    out.append((msg, (seg << AT_BITS) | (start + pos)))
+                    out[mid] = (msg, (seg << AT_BITS) | (start + pos))
         if whole and len(out) != page.count:
             log.error(
                 "a page of queue '%s' in vhost '%s' read back %d of its %d messages",
@@ -290,7 +300,7 @@ class Store:
                 len(out),
                 page.count,
             )
-        return out
+        return [out[mid] for mid in sorted(out)]
 
     def boundary(self, epoch: int, first: int) -> None:
         self.pending.epochs.append((epoch, first))
@@ -452,9 +462,10 @@ class Store:
                 fd_or_none = self.fds.pop(seg, None)
                 if fd_or_none is not None:
                     os.close(fd_or_none)
-                path = self._path(seg)
-                if path.exists():
-                    path.unlink()
+                try:
+                    self._path(seg).unlink(missing_ok=True)
+                except OSError as exc:  # the batch is written: only the space is not freed
+                    log.warning("cannot delete the consumed segment %d: %s", seg, exc)
             return took
 
     def _write_epochs(self, added: list[tuple[int, int]]) -> None:
@@ -745,7 +756,7 @@ class Store:
         else:  # a cluster member's log may be replaced: an old checkpoint would not fit it
             (self.dir / "checkpoint").unlink(missing_ok=True)
             checkpoint = None
-        sequencer.applying = True
+        sequencer.applying = self.recovering = True
         try:
             resume_seg = resume_pos = 0
             if checkpoint is not None:
@@ -800,6 +811,8 @@ class Store:
                         later.rename(aside)
                         result.set_aside.append(str(aside))
                     break
+            # Their owners' connections died with the process (as RabbitMQ deletes them).
+            result.exclusive_dropped = apply.drop_exclusive(broker)
             # What is live: the messages the queues hold in memory, and their pages.
             replayed, self.where = self.where, {}
             for key, at in replayed.items():
@@ -817,11 +830,10 @@ class Store:
                 for page in pages:
                     for seg, n in page.segs.items():
                         self.segments[seg] += n
+            self.marked &= self.where.keys()
             apply.done(broker)
-            # Their owners' connections died with the process (as RabbitMQ deletes them).
-            result.exclusive_dropped = apply.drop_exclusive(broker)
         finally:
-            sequencer.applying = False
+            sequencer.applying = self.recovering = False
         result.messages = len(self.where) + sum(
             p.count for pages in self.pages.values() for p in pages
         )
@@ -903,7 +915,11 @@ class Store:
             self._set_aside(epoch, offset, rtype, payload, str(exc), result)
             return
         if rtype == records.DEQUEUE:
-            where.pop(records.read_key(payload), None)
+            key = records.read_key(payload)
+            where.pop(key, None)
+            self.marked.discard(key)
+        elif rtype == records.MARK:
+            self.marked.add(records.read_key(payload))
 
     def _set_aside(
         self, epoch: int, offset: int, rtype: int, payload: bytes, why: str, result: Recovered
