@@ -8,7 +8,8 @@ queue is consumed in order (bench/deep.js drain); every message is checked to ar
 in order. Printed for each phase: its rate, the broker's largest RSS during it (sampled every
 0.2 s), and the log's size on disk at its end; and the time from the restart to a client
 reading the queue's depth. `--rabbitmq` runs the same fill and drain on RabbitMQ (a classic
-queue, version 2), alone on the machine, for the rates side by side (no kill there).
+queue, version 2, which keeps a deep queue on disk), alone on the machine, for the rates side
+by side (no kill there).
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def run_rabbitmq(url: str, count: int, size: int) -> None:
         conn = pika.BlockingConnection(pika.URLParameters(url))
         conn.channel().queue_delete(queue)
         conn.close()
-        print(f"rabbitmq: {count:,} persistent messages of {size} bytes (classic queue)")
+        print(f"rabbitmq: {count:,} persistent messages of {size} bytes (classic queue v2)")
         print(f"  fill   {filled['rate']:>9,.0f} msg/s   peak RSS {fill_rss:>7,.0f} MB")
         print(f"  drain  {drained['rate']:>9,.0f} msg/s   peak RSS {drain_rss:>7,.0f} MB")
     finally:

@@ -26,7 +26,8 @@ def declare() -> bytes:
 
 
 def enqueue(mid: int) -> bytes:
-    m = Message("", "q", b"\x00\x01q", PERSISTENT, str(mid).encode(), len(str(mid)))
+    body = str(mid).encode().rjust(16, b"0")  # longer than the budget: no page stays in memory
+    m = Message("", "q", b"\x00\x01q", PERSISTENT, body, len(body))
     m.mid = records.mid(1, mid)
     return records.frame(records.ENQUEUE, 1, mid, records.enqueue("/", "q", m))
 
@@ -49,10 +50,10 @@ def loops() -> Iterator[list[asyncio.AbstractEventLoop]]:
 LOOPS: list[list[asyncio.AbstractEventLoop]] = []
 
 
-def recover(tmp_path: Path, **settings: int) -> tuple[Store, Broker]:
+def recover(tmp_path: Path, page_bytes: int = 1, **settings: int) -> tuple[Store, Broker]:
     seq = Sequencer()
     broker = Broker(seq)
-    store = Store(tmp_path, fsync=False, page_bytes=1, **settings)
+    store = Store(tmp_path, fsync=False, page_bytes=page_bytes, **settings)
     seq.disk = store
     loop = asyncio.new_event_loop()
     LOOPS[-1].append(loop)
@@ -107,7 +108,7 @@ def test_a_queue_with_pages_and_an_empty_head_delivers_to_a_new_consumer(tmp_pat
     _store, broker = recover(tmp_path)
     q = broker.vhost("/").queues["q"]
     got = q.get(no_ack=True)
-    assert got is not None and got.body_bytes() == b"2"
+    assert got is not None and int(got.body_bytes()) == 2
     q.settle_unacked_get(got)
     taker = Taker()
     q.add_consumer(taker)
@@ -123,7 +124,21 @@ def test_a_page_that_reads_back_nothing_is_passed_over(tmp_path: Path) -> None:
     at = data.index(enqueue(3))
     data[at + len(enqueue(3)) - 5] ^= 0xFF  # message 3's body: its checksum fails
     seg.write_bytes(bytes(data))
-    assert [q.get(no_ack=True).body_bytes() for _ in range(3)] == [b"2", b"4", b"5"]  # type: ignore[union-attr]
+    assert [int(q.get(no_ack=True).body_bytes()) for _ in range(3)] == [2, 4, 5]  # type: ignore[union-attr]
+
+
+def test_the_first_pages_of_a_tail_stay_in_memory_up_to_the_budget(tmp_path: Path) -> None:
+    """A queue a little deeper than its budget reads nothing back: with 64 bytes, the head
+    holds message 2, and the page of 3 (16 bytes, a quarter of the budget) keeps its message;
+    4, 5 and 6 are read from the log, where 3's and 5's records are now damaged."""
+    seg = write_log(tmp_path, declare(), *(enqueue(i) for i in range(2, 7)))
+    _store, broker = recover(tmp_path, page_bytes=64)
+    q = broker.vhost("/").queues["q"]
+    data = bytearray(seg.read_bytes())
+    for mid in (3, 5):
+        data[data.index(enqueue(mid)) + len(enqueue(mid)) - 5] ^= 0xFF
+    seg.write_bytes(bytes(data))
+    assert [int(q.get(no_ack=True).body_bytes()) for _ in range(4)] == [2, 3, 4, 6]  # type: ignore[union-attr]
 
 
 def test_pages_of_a_queue_deleted_and_declared_again_in_the_log_are_released(

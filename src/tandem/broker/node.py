@@ -35,6 +35,7 @@ T = TypeVar("T")
 
 SWEEP_SECONDS = 1.0
 ALARM_SECONDS = 1.0
+QUEUE_MEMORY_FLOOR = 32 * 1024 * 1024
 
 
 def _machine_memory() -> int:
@@ -108,6 +109,7 @@ class Node:
         self.cfg = cfg
         self.store: Store | None = None
         self.lock: DataDirLock | None = None
+        self.memory_limit = cfg.memory_high_watermark or int(_machine_memory() * 0.4)
         if cfg.data_dir is not None:
             self.lock = DataDirLock(cfg.data_dir)
             self.lock.acquire(cfg.node_id)
@@ -116,7 +118,7 @@ class Node:
                 fsync=cfg.fsync,
                 segment_bytes=cfg.segment_bytes,
                 # A lone node pages its deep queues; a cluster member keeps them in memory.
-                page_bytes=cfg.queue_memory_bytes if cfg.replication_port is None else 0,
+                page_bytes=self._queue_memory() if cfg.replication_port is None else 0,
                 checkpoint_records=cfg.checkpoint_records if cfg.replication_port is None else 0,
             )
         self.sequencer = Sequencer(self.store)
@@ -149,10 +151,15 @@ class Node:
         self.tls_port: int | None = None
         self.amqps_context: ssl.SSLContext | None = None
         self.admin_port = 0
-        self.memory_limit = cfg.memory_high_watermark or int(_machine_memory() * 0.4)
         self._auth_file = cfg.data_dir / "auth.json" if cfg.data_dir else None
         self.definitions = self._read_definitions()
         self._setup_auth()
+
+    def _queue_memory(self) -> int:
+        """A queue's memory budget (docs/configuration.md, `queue_memory_bytes`)."""
+        if self.cfg.queue_memory_bytes is not None:
+            return self.cfg.queue_memory_bytes
+        return max(QUEUE_MEMORY_FLOOR, self.memory_limit // 32)
 
     # -- users and vhosts --
 

@@ -128,7 +128,11 @@ class Store:
         self.page_bytes = page_bytes
         self.pages: dict[tuple[str, str], set[Page]] = {}  # each queue's pages
         self.pinned: collections.Counter[int] = collections.Counter()  # pages per segment
-        self.unwritten: collections.deque[Page] = collections.deque()  # pages held in memory
+        self.unwritten: collections.deque[Page] = collections.deque()  # held, not yet written
+        # Body bytes of each queue's pages held in memory: the first pages of a tail stay
+        # (up to a quarter of page_bytes), so that a queue a little deeper than its budget
+        # reads nothing back.
+        self.held_bytes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.enqueued: collections.Counter[int] = collections.Counter()  # records per segment
         self.marked: set[Key] = set()  # live messages with a durable MARK (requeued)
         self.checkpoint_records = checkpoint_records  # 0: no checkpoints
@@ -230,9 +234,12 @@ class Store:
         for seg in page.segs:
             self.pinned[seg] += 1
         self.pages.setdefault(key, set()).add(page)
-        if not self._on_disk(page):
+        written = self._on_disk(page)
+        if not written or self.held_bytes[key] + page.body_bytes <= self.page_bytes // 4:
             page.held = list(zip(msgs, ats, strict=True))
-            self.unwritten.append(page)
+            self.held_bytes[key] += page.body_bytes
+            if not written:
+                self.unwritten.append(page)
         return page
 
     def page_in(self, page: Page, queue: Queue, keep: bool) -> list[Message]:
@@ -263,7 +270,11 @@ class Store:
                 del self.pinned[seg]
         if page.held is not None:
             page.held = None
-            self.unwritten.remove(page)
+            self.held_bytes[page.key] -= page.body_bytes
+            if not self.held_bytes[page.key]:
+                del self.held_bytes[page.key]
+            if page in self.unwritten:
+                self.unwritten.remove(page)
 
     def _read(self, page: Page, queue: Queue, whole: bool = True) -> list[tuple[Message, int]]:
         """Read a page's messages back from its runs of the log: the queue's ENQUEUE records
@@ -326,6 +337,7 @@ class Store:
         self.pages.clear()
         self.pinned.clear()
         self.unwritten.clear()
+        self.held_bytes.clear()
         self.enqueued.clear()
         self.marked.clear()
         self.segments.clear()
@@ -508,7 +520,10 @@ class Store:
         self.synced_batches += 1
         self.fsync_seconds(fut.result())
         while self.unwritten and self._on_disk(self.unwritten[0]):
-            self.unwritten.popleft().held = None  # read back from the log from now on
+            page = self.unwritten.popleft()
+            if self.held_bytes[page.key] > self.page_bytes // 4:  # read back from the log
+                page.held = None
+                self.held_bytes[page.key] -= page.body_bytes
         for cb in batch.callbacks:
             try:
                 cb()
