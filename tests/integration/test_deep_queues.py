@@ -172,3 +172,32 @@ def test_a_damaged_checkpoint_is_named_and_the_whole_log_replayed(broker_factory
     assert "checkpoint" in broker.log() and "not used" in broker.log()
     assert recovered(broker)[0] == -1  # none used: the log replayed from its start
     assert numbers(consume_all(broker, "deep")) == list(range(1200))
+
+
+def test_a_head_left_in_the_log_at_a_start_brings_back_none_consumed(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    """The head a checkpoint names is left in the log at the next start, read when the queue
+    gets to it; its runs of the log also hold records of messages acked out of order, which
+    must stay gone."""
+    broker = broker_factory(CHECKPOINTS)
+    publish_confirmed(broker, "deep", 1200, size=1024)
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    ch = conn.channel()
+    tags = [ch.basic_get("deep")[0].delivery_tag for _ in range(40)]
+    for i, tag in enumerate(tags):
+        if i % 2 == 0:
+            ch.basic_ack(tag)
+        else:
+            ch.basic_nack(tag, requeue=True)
+    ch.queue_declare("deep", durable=True, passive=True)
+    conn.close()
+    broker.restart()
+    assert recovered(broker) == (1180, 0)
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    ch = conn.channel()
+    first = []
+    for _ in range(20):
+        m, _p, body = ch.basic_get("deep", auto_ack=True)
+        first.append((int(body.rstrip(b".")), m.redelivered))
+    conn.close()
+    assert first == [(i, True) for i in range(1, 40, 2)]
+    assert numbers(consume_all(broker, "deep")) == list(range(40, 1200))

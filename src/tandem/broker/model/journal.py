@@ -46,7 +46,17 @@ class Page:
     them back when the queue's head runs low. The queue sees its size and its first and last
     message ids; the rest is the store's."""
 
-    __slots__ = ("body_bytes", "count", "extents", "first_mid", "held", "key", "last_mid", "segs")
+    __slots__ = (
+        "body_bytes",
+        "count",
+        "extents",
+        "first_mid",
+        "held",
+        "key",
+        "last_mid",
+        "only",
+        "segs",
+    )
 
     def __init__(
         self, key: tuple[str, str], count: int, body_bytes: int, first_mid: int, last_mid: int
@@ -61,6 +71,9 @@ class Page:
         self.extents: list[tuple[int, int, int]] = []
         self.segs: dict[int, int] = {}
         self.held: list[tuple[Message, int]] | None = None
+        # A page made at recovery from a checkpoint's messages: exactly these ids (and their
+        # places), where its runs may also hold records of messages consumed since.
+        self.only: dict[int, int] | None = None
 
 
 class Journal(Protocol):

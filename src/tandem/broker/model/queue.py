@@ -409,6 +409,8 @@ class Queue:
         messages = self.messages
         assert isinstance(messages, collections.deque)  # a queue with priorities never pages
         messages.extend(msgs)
+        if not self.timed and any(m.expiration is not None for m in msgs):
+            self.timed = True
         index = self.index
         if index is not None:
             for m in msgs:

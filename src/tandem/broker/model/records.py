@@ -153,6 +153,28 @@ def scan(
     return records, good_end, corrupt, False
 
 
+def enqueue_sizes(data: bytes, pos: int) -> tuple[int, int] | None:
+    """(frame length, body length) of the ENQUEUE frame at `pos`, read from its header and
+    fields without checking its checksum (that is for when it is read whole); None when the
+    header or the fields do not hold together."""
+    try:
+        magic, length, _crc = REC_HDR.unpack_from(data, pos)
+        end = pos + REC_HDR.size + length
+        if magic != MAGIC or end > len(data):
+            return None
+        at = pos + HEADER
+        at += 2 + STR16.unpack_from(data, at)[0]  # vhost
+        at += 2 + STR16.unpack_from(data, at)[0] + U64.size  # queue, offset
+        at += 4 + U32.unpack_from(data, at)[0]  # route
+        at += 4 + U32.unpack_from(data, at)[0]  # properties
+        body: int = U32.unpack_from(data, at)[0]
+    except struct.error:
+        return None
+    if at + 4 + body > end:
+        return None
+    return end - pos, body
+
+
 def read_at(data: bytes, pos: int) -> Scanned:
     """The record whose frame begins at `pos`, known to be whole and valid (`problem_at`)."""
     _m, length, _crc = REC_HDR.unpack_from(data, pos)

@@ -57,7 +57,7 @@ from tandem.broker.model import apply, records
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Page, Sequencer
 from tandem.broker.model.message import Message
-from tandem.broker.model.queue import Queue
+from tandem.broker.model.queue import PAGE_BYTES, Queue
 from tandem.broker.model.records import Corruption
 
 log = logging.getLogger(__name__)
@@ -295,14 +295,20 @@ class Store:
             positions: list[int] = []
             found, _good, corrupt, _torn = records.scan(data, str(path), positions=positions)
             for c in corrupt:
-                log.error("corrupt record in a page of queue '%s': %s", page.key[1], c)
+                c.offset += start
+                log.error("corrupt record in the log, skipped: %s (queue '%s')", c, page.key[1])
             for (rtype, _epoch, _offset, payload), pos in zip(found, positions, strict=True):
                 if rtype & records.TYPE_MASK != records.ENQUEUE or not payload.startswith(place):
                     continue
                 _v, _q, mid, route, props, body = records.read_enqueue(payload)
-                if page.first_mid <= mid <= page.last_mid and mid not in out:
-                    msg = apply.message(queue, mid, route, props, body)
-                    out[mid] = (msg, (seg << AT_BITS) | (start + pos))
+                at = (seg << AT_BITS) | (start + pos)
+                member = (
+                    page.first_mid <= mid <= page.last_mid
+                    if page.only is None
+                    else page.only.get(mid) == at
+                )
+                if member and mid not in out:
+                    out[mid] = (apply.message(queue, mid, route, props, body), at)
         if whole and len(out) != page.count:
             log.error(
                 "a page of queue '%s' in vhost '%s' read back %d of its %d messages",
@@ -593,6 +599,10 @@ class Store:
         for (vhost, queue, mid), at in self.where.items():
             by_queue.setdefault((vhost, queue), []).append((mid, at))
         queues = []
+        for key, pages in self.pages.items():
+            for page in pages:
+                if page.only is not None:  # written as the messages it holds, as it was read
+                    by_queue.setdefault(key, []).extend(page.only.items())
         for key in by_queue.keys() | self.pages.keys():
             held = by_queue.get(key, [])
             queues.append(
@@ -607,6 +617,7 @@ class Store:
                     "pages": [
                         [p.count, p.body_bytes, p.first_mid, p.last_mid, p.extents, p.segs]
                         for p in self.pages.get(key, ())
+                        if p.only is None
                     ],
                 }
             )
@@ -699,13 +710,21 @@ class Store:
                 page.extents = [(seg, start, end) for seg, start, end in extents]
                 page.segs = {int(seg): n for seg, n in segs.items()}
                 pages.setdefault(q, []).append(page)
-        items: dict[Queue, list[tuple[int, Message | Page]]] = {}
+        items: dict[Queue, list[tuple[int, Message | Page | tuple[int, int, int]]]] = {}
         for seg, entries in wanted.items():
             path = self._path(seg)
             if not path.exists():
                 continue  # consumed, or carried forward, after the resume point
             data = path.read_bytes()
             for q, mid, pos in entries:
+                if self.page_bytes and q.pageable:
+                    # Left in the log, read when the queue gets to it: a start need not
+                    # read and decode the head of every deep queue.
+                    sizes = records.enqueue_sizes(data, pos)
+                    if sizes is not None:
+                        at = (seg << AT_BITS) | pos
+                        items.setdefault(q, []).append((mid, (at, sizes[0], sizes[1])))
+                        continue
                 problem = records.problem_at(data, pos)
                 if problem is not None:
                     corrupt = Corruption(str(path), pos, problem)
@@ -728,16 +747,30 @@ class Store:
         count = 0
         for q, queue_items in items.items():
             queue_items.sort(key=lambda item: item[0])
-            for _mid, item in queue_items:
+            lazy: list[tuple[int, int, int, int]] = []  # (mid, place, frame length, body length)
+            lazy_bytes = 0
+            for mid, item in queue_items:
+                if isinstance(item, tuple):
+                    lazy.append((mid, *item))
+                    lazy_bytes += item[2]
+                    if lazy_bytes < PAGE_BYTES:
+                        continue
+                    item = self._lazy_page(q, lazy)
+                    lazy, lazy_bytes = [], 0
+                elif lazy:
+                    page = self._lazy_page(q, lazy)
+                    self._restore_page(q, page)
+                    count += page.count
+                    lazy, lazy_bytes = [], 0
                 if isinstance(item, Page):
-                    self.pages.setdefault(item.key, set()).add(item)
-                    for seg in item.segs:
-                        self.pinned[seg] += 1
-                    q.restore_page(item)
-                    count += item.count
+                    self._restore_page(q, item)
                 else:
                     q.restore(item)
-                    count += 1
+                count += 1 if isinstance(item, Message) else item.count
+            if lazy:
+                page = self._lazy_page(q, lazy)
+                self._restore_page(q, page)
+                count += page.count
         for vhost, queue, mid in body["marked"]:
             vh = broker.vhosts.get(vhost)
             q = vh.queues.get(queue) if vh is not None else None
@@ -745,6 +778,31 @@ class Store:
                 q.mark(mid)
                 self.marked.add((vhost, queue, mid))
         return count
+
+    def _lazy_page(self, q: Queue, lazy: list[tuple[int, int, int, int]]) -> Page:
+        """A page of a checkpoint's messages, left in the log (`Page.only`)."""
+        page = Page(
+            (q.vhost.name, q.name),
+            len(lazy),
+            sum(body for *_x, body in lazy),
+            lazy[0][0],
+            lazy[-1][0],
+        )
+        page.only = {mid: at for mid, at, _length, _body in lazy}
+        runs: dict[int, list[int]] = {}
+        for _mid, at, length, _body in lazy:
+            seg, pos = at >> AT_BITS, at & AT_MASK
+            run = runs.setdefault(seg, [pos, pos + length])
+            run[0], run[1] = min(run[0], pos), max(run[1], pos + length)
+            page.segs[seg] = page.segs.get(seg, 0) + 1
+        page.extents = [(seg, start, end) for seg, (start, end) in sorted(runs.items())]
+        return page
+
+    def _restore_page(self, q: Queue, page: Page) -> None:
+        self.pages.setdefault(page.key, set()).add(page)
+        for seg in page.segs:
+            self.pinned[seg] += 1
+        q.restore_page(page)
 
     # -- open and recover --
 
@@ -994,9 +1052,11 @@ class Store:
             self.fds.clear()
 
     def stats(self) -> dict[str, object]:
+        paged = sum(p.count for pages in self.pages.values() for p in pages)
         return {
             "segments": len(self.segments),
-            "live_messages": len(self.where),
+            "live_messages": len(self.where) + paged,
+            "paged_messages": paged,
             "position": self.handed,
             "synced": self.synced,
         }
