@@ -27,8 +27,9 @@ Checkpoints: a lone node writes `<data_dir>/log/checkpoint` every `checkpoint_re
 records, once they are on disk. It holds the state at one point of the log (the resume point):
 the position and epochs, the durable definitions (as a SNAPSHOT restates them), and where
 each live message's record is (the `where` index, the pages, the requeued marks). Recovery
-loads it, reads the live messages in memory from their records, and replays only the log after
-the resume point, so that a restart does not take longer as the log grows. Everything the
+loads it, leaves the messages it names in the log as pages of exactly those messages
+(`Page.only`; a queue that cannot page reads them), and replays only the log after the resume
+point, so that a restart does not take longer as the log grows. Everything the
 checkpoint names is at or before the resume point; what is gone from the log since (a segment
 compaction deleted) was consumed or carried forward after it, which the replay applies. A
 checkpoint that is unreadable, or whose resume point is gone from the log, is not used: the
