@@ -642,8 +642,6 @@ class Queue:
         else:
             insert_by_mid(messages, msg)
         self.bytes += msg.body_size
-        if msg.expiration is not None or self.ttl is not None:
-            self.timed = True
 
     def restore_page(self, page: Page) -> None:
         """A page a checkpoint names, after every message restored before it."""
