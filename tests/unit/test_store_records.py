@@ -55,6 +55,28 @@ def test_a_cluster_member_stops_at_the_first_corrupt_record() -> None:
     assert end == len(a) and len(corrupt) == 1 and not torn
 
 
+@pytest.mark.parametrize("damage", ["payload", "magic", "length", "cut"])
+def test_a_replicated_frame_that_does_not_check_out_ends_the_link(damage: str) -> None:
+    """A backup takes the primary's frames only whole and checked: one damaged byte (in the
+    payload, the magic or the length) or a cut frame is a WireError, never a record."""
+    from tandem.broker.replication import core, wire
+
+    a = records.frame(records.DEFINE, 1, 1, b"first")
+    b = bytearray(records.frame(records.ENQUEUE, 1, 2, b"second" * 10))
+    good = wire.decode(wire.encode(core.Append("p", 1, 1, (a, bytes(b)))))
+    assert isinstance(good, core.Append) and list(good.entries) == [a, bytes(b)]
+    if damage == "payload":
+        b[-1] ^= 0x01
+    elif damage == "magic":
+        b[0] ^= 0x01
+    elif damage == "length":
+        b[5] += 1
+    else:
+        del b[-1]
+    with pytest.raises(wire.WireError, match="record frame"):
+        wire.decode(wire.encode(core.Append("p", 1, 1, (a, bytes(b)))))
+
+
 def test_recovery_drops_a_transaction_a_crash_cut_short(tmp_path: Path) -> None:
     """A group whose last record never reached the disk did not happen: recovery applies
     none of it and cuts it off, so that later records cannot complete it."""

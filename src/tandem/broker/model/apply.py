@@ -78,20 +78,10 @@ def describe(rtype: int, payload: bytes) -> str:
 
 def _apply(broker: Broker, rtype: int, payload: bytes) -> None:
     if rtype == records.ENQUEUE:
-        vhost, queue, mid, route, props, body = records.read_enqueue(payload)
-        q = _queue(broker, vhost, queue)
-        if q is not None:
-            q.restore(message(q, mid, route, props, body))
-    elif rtype == records.DEQUEUE:
+        enqueue(broker, *records.read_enqueue(payload))
+    elif rtype in (records.DEQUEUE, records.MARK):
         vhost, queue, mid = records.read_key(payload)
-        q = _queue(broker, vhost, queue)
-        if q is not None:
-            q.remove(mid)
-    elif rtype == records.MARK:
-        vhost, queue, mid = records.read_key(payload)
-        q = _queue(broker, vhost, queue)
-        if q is not None:
-            q.mark(mid)
+        (dequeue if rtype == records.DEQUEUE else mark)(broker, vhost, queue, mid)
     elif rtype == records.DEFINE:
         rec = records.decode_body(payload)
         if UNAPPLIABLE is not None and (rec.get("body") or {}).get("name") == UNAPPLIABLE:
@@ -108,6 +98,30 @@ def _apply(broker: Broker, rtype: int, payload: bytes) -> None:
         pass
     else:
         log.error("unknown record type %d in the log, skipped", rtype)
+
+
+# The three message records, read already (records.read_enqueue, records.read_key): a backup
+# reads each once, for its store and for these.
+
+
+def enqueue(
+    broker: Broker, vhost: str, queue: str, mid: int, route: bytes, props: bytes, body: bytes
+) -> None:
+    q = _queue(broker, vhost, queue)
+    if q is not None:
+        q.restore(message(q, mid, route, props, body))
+
+
+def dequeue(broker: Broker, vhost: str, queue: str, mid: int) -> None:
+    q = _queue(broker, vhost, queue)
+    if q is not None:
+        q.remove(mid)
+
+
+def mark(broker: Broker, vhost: str, queue: str, mid: int) -> None:
+    q = _queue(broker, vhost, queue)
+    if q is not None:
+        q.mark(mid)
 
 
 def done(broker: Broker) -> None:
@@ -145,10 +159,21 @@ def _queue(broker: Broker, vhost: str, queue: str) -> Queue | None:
     return vh.queues.get(queue) if vh is not None else None
 
 
+# A route's names, and the one route object every message with it shares (as a connection's
+# cache does on the primary). Bounded: cleared when it holds this many.
+_ROUTES: dict[bytes, tuple[str, str, bytes]] = {}
+ROUTES_KEPT = 10000
+
+
 def message(q: Queue, mid: int, route: bytes, props: bytes, body: bytes) -> Message:
-    elen = route[0]
-    exchange = route[1 : 1 + elen].decode()
-    rk = route[2 + elen :].decode()
+    names = _ROUTES.get(route)
+    if names is None:
+        elen = route[0]
+        names = (route[1 : 1 + elen].decode(), route[2 + elen :].decode(), route)
+        if len(_ROUTES) >= ROUTES_KEPT:
+            _ROUTES.clear()
+        _ROUTES[route] = names
+    exchange, rk, route = names
     msg = Message(exchange, rk, route, props, body, len(body))
     try:
         message_mod.scan(msg)

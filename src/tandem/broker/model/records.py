@@ -434,23 +434,64 @@ def key_at(where: bytes, message_id: int) -> bytes:
     return where + _ID.pack(message_id & OFFSET_MASK, message_id >> OFFSET_BITS)
 
 
+# A place's names, by its bytes: every record of a queue begins with the same place, and a
+# backup or a replay reads one per record. Bounded: cleared when it holds this many.
+_PLACES: dict[bytes, tuple[str, str]] = {}
+PLACES_KEPT = 4096
+
+
+def read_place(data: bytes) -> tuple[str, str, int]:
+    """(vhost, queue, where the place ends) of a message record's leading fields."""
+    (vlen,) = STR16.unpack_from(data, 0)
+    (qlen,) = STR16.unpack_from(data, 2 + vlen)
+    end = 4 + vlen + qlen
+    raw = data[:end]
+    names = _PLACES.get(raw)
+    if names is None:
+        if end > len(data):
+            raise ValueError("truncated field")
+        names = (raw[2 : 2 + vlen].decode(), raw[4 + vlen :].decode())
+        if len(_PLACES) >= PLACES_KEPT:
+            _PLACES.clear()
+        _PLACES[raw] = names
+    return names[0], names[1], end
+
+
 def read_key(data: bytes) -> tuple[str, str, int]:
     """(vhost, queue, mid) of a DEQUEUE or MARK, or of an ENQUEUE (its leading fields)."""
-    r = Reader(data)
-    vhost, queue, offset = r.str(), r.str(), r.u64()
-    if r.pos + U32.size == len(data):  # a key with its epoch
-        return vhost, queue, mid(r.u32(), offset)
-    if r.pos == len(data):  # a key written before epochs were part of the id
+    vhost, queue, at = read_place(data)
+    n = len(data)
+    if n == at + _ID.size:  # a key with its epoch
+        offset, epoch = _ID.unpack_from(data, at)
+        return vhost, queue, (epoch << OFFSET_BITS) | offset
+    (offset,) = U64.unpack_from(data, at)
+    if n == at + U64.size:  # a key written before epochs were part of the id
         return vhost, queue, offset
+    at += U64.size
     for _field in range(3):  # an enqueue: its epoch follows route, properties and body
-        r.skip()
-    return vhost, queue, mid(r.u32(), offset) if r.pos < len(data) else offset
+        at += 4 + U32.unpack_from(data, at)[0]
+    if at > n:
+        raise ValueError("truncated field")
+    return vhost, queue, mid(U32.unpack_from(data, at)[0], offset) if at < n else offset
+
+
+_ENQ = struct.Struct(">QI")  # an enqueue's offset and route length, after its place
 
 
 def read_enqueue(data: bytes) -> tuple[str, str, int, bytes, bytes, bytes]:
     """(vhost, queue, mid, route, props, body)."""
-    r = Reader(data)
-    vhost, queue, offset = r.str(), r.str(), r.u64()
-    route, props, body = r.bytes(), r.bytes(), r.bytes()
-    epoch = r.u32() if r.pos < len(data) else 0
-    return vhost, queue, mid(epoch, offset), route, props, body
+    vhost, queue, at = read_place(data)
+    offset, n = _ENQ.unpack_from(data, at)
+    at += _ENQ.size
+    route = data[at : at + n]
+    at += n
+    (n,) = U32.unpack_from(data, at)
+    props = data[at + 4 : at + 4 + n]
+    at += 4 + n
+    (n,) = U32.unpack_from(data, at)
+    body = data[at + 4 : at + 4 + n]
+    at += 4 + n
+    if at > len(data):
+        raise ValueError("truncated field")
+    epoch = U32.unpack_from(data, at)[0] if at < len(data) else 0
+    return vhost, queue, (epoch << OFFSET_BITS) | offset, route, props, body

@@ -32,6 +32,7 @@ WINDOW_BYTES = 64 << 20
 NOT_APPLIED_KEPT = 20
 # The first frame of a copy that is a difference, not everything.
 DIFF = records.define("", "difference", {})
+_MESSAGE_RECORDS = (records.ENQUEUE, records.DEQUEUE, records.MARK)
 
 
 class BrokerLog:
@@ -190,13 +191,18 @@ class BrokerLog:
             raise AssertionError("a broker log is never cut back; the primary sends a full copy")
 
     def extend(self, entries: Sequence[bytes]) -> None:
+        take, group = self._take, self.group
         for data in entries:
-            self.group.append(data)
-            if records.continues(data):
-                continue  # a group is applied once its last record came
-            whole, self.group = self.group, []  # taken once, whatever happens while taking
-            for member in whole:
-                self._take(member)
+            if data[records.REC_HDR.size] & records.MORE:  # records.continues
+                group.append(data)  # a group is applied once its last record came
+            elif group:
+                group.append(data)
+                whole, self.group = group, []  # taken once, whatever happens while taking
+                group = self.group
+                for member in whole:
+                    take(member)
+            else:
+                take(data)
 
     def drop_enqueues(self, queue: str) -> None:
         """A fault for tests of the audit: as a backup, take (and store) every enqueue to
@@ -214,16 +220,58 @@ class BrokerLog:
         )
 
     def _take(self, data: bytes) -> None:
-        rtype, epoch, offset, durable = records.head(data)
+        """Store, apply and keep one of the primary's frames. A message record is read once,
+        for the store's index and for apply; the others take the general path."""
+        flags, epoch, offset = records.REC_META.unpack_from(data, records.REC_HDR.size)
+        rtype = flags & records.TYPE_MASK
+        sequencer, store = self.sequencer, self.store
+        bounds = sequencer.boundaries
+        if not bounds or bounds[-1][0] != epoch:
+            if store is not None:
+                store.boundary(epoch, offset)
+            bounds.append((epoch, offset))  # Sequencer.follow, inlined
+        if rtype in _MESSAGE_RECORDS and self.drop_enqueues_to is None:
+            self._take_message(data, rtype, epoch, offset, flags & records.DURABLE)
+        else:
+            self._take_other(data, rtype, epoch, offset, bool(flags & records.DURABLE))
+        if epoch > sequencer.epoch:
+            sequencer.epoch = epoch
+        if offset > sequencer.offset:
+            sequencer.offset = offset
+        self.keep(offset, data)
+
+    def _take_message(self, data: bytes, rtype: int, epoch: int, offset: int, durable: int) -> None:
+        payload = data[records.HEADER :]
+        try:
+            if rtype == records.ENQUEUE:
+                fields = records.read_enqueue(payload)
+                key: tuple[str, str, int] = fields[:3]
+            else:
+                key = records.read_key(payload)
+        except Exception as exc:  # not a record of ours: written as it came, set aside
+            if durable and self.store is not None:
+                self.store.write(rtype, offset, data, None)
+            self._not_applied(epoch, offset, rtype, payload, exc)
+            return
+        if durable and self.store is not None:
+            self.store.write(rtype, offset, data, key)
+        try:
+            if rtype == records.ENQUEUE:
+                apply.enqueue(self.broker, *fields)
+            elif rtype == records.DEQUEUE:
+                apply.dequeue(self.broker, *key)
+            else:
+                apply.mark(self.broker, *key)
+        except Exception as exc:  # whatever failed, it is this record's failure
+            self._not_applied(epoch, offset, rtype, payload, exc)
+
+    def _take_other(self, data: bytes, rtype: int, epoch: int, offset: int, durable: bool) -> None:
         payload = records.payload(data)
         # A definition's or a checkpoint's JSON, read once for the store and the hooks.
         rec = (
             records.decode_body(payload) if rtype in (records.DEFINE, records.CHECKPOINT) else None
         )
-        sequencer, store = self.sequencer, self.store
-        bounds = sequencer.boundaries
-        if store is not None and (not bounds or bounds[-1][0] != epoch):
-            store.boundary(epoch, offset)
+        store = self.store
         if durable and store is not None:
             key = None
             if rtype in (records.ENQUEUE, records.DEQUEUE):
@@ -237,32 +285,42 @@ class BrokerLog:
             self.on_checkpoint(epoch, offset, rec.get("body") or {})
         elif rec is not None and rec.get("op") == "auth":
             self.on_auth()
-        sequencer.follow(epoch, offset)
-        self.keep(offset, data)
 
     def _apply(self, epoch: int, offset: int, rtype: int, payload: bytes) -> None:
-        """Apply one of the primary's records. One that cannot be applied (a bug) is said
-        once with its position, kept in `not_applied` for /status, and makes this member's
-        state suspect: it is not whole until a copy from the primary replaces it."""
+        """Apply one of the primary's records; one that cannot be applied (a bug) is set
+        aside."""
         try:
             apply.apply(self.broker, rtype, payload)
         except apply.NotApplied as exc:
-            said = str(exc) in self.said
-            self.said.add(str(exc))
-            # Said once: a copy that fails on the same record again is logged at debug level.
-            log.log(
-                logging.DEBUG if said else logging.ERROR,
-                "record (%d, %d) from the primary not applied, set aside: %s; this member "
-                "takes a copy from the primary",
-                epoch,
-                offset,
-                exc,
-            )
-            self.not_applied.append((epoch, offset, str(exc)))
-            del self.not_applied[:-NOT_APPLIED_KEPT]
-            self.not_applied_total += 1
-            self.diverged = f"record {epoch}:{offset} not applied: {exc}"
-            self.lost = True
+            self._set_aside(epoch, offset, exc)
+
+    def _not_applied(
+        self, epoch: int, offset: int, rtype: int, payload: bytes, exc: Exception
+    ) -> None:
+        self._set_aside(
+            epoch, offset, apply.NotApplied(f"{apply.describe(rtype, payload)}: {exc!r}")
+        )
+
+    def _set_aside(self, epoch: int, offset: int, exc: apply.NotApplied) -> None:
+        """Report a record that could not be applied once with its position, keep it in
+        `not_applied` for /status, and make this member's state suspect: it is not whole
+        until a copy from the primary replaces it."""
+        said = str(exc) in self.said
+        self.said.add(str(exc))
+        # Said once: a copy that fails on the same record again is logged at debug level.
+        log.log(
+            logging.DEBUG if said else logging.ERROR,
+            "record (%d, %d) from the primary not applied, set aside: %s; this member "
+            "takes a copy from the primary",
+            epoch,
+            offset,
+            exc,
+        )
+        self.not_applied.append((epoch, offset, str(exc)))
+        del self.not_applied[:-NOT_APPLIED_KEPT]
+        self.not_applied_total += 1
+        self.diverged = f"record {epoch}:{offset} not applied: {exc}"
+        self.lost = True
 
     def install(self, boundaries: core.Boundaries, end: int, snapshot: Any) -> None:
         """Take the primary's copy (made at `end`): the difference from what this member

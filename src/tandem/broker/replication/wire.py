@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import struct
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,18 +106,21 @@ def frames(data: bytes) -> list[bytes]:
     """Split checked record frames; a frame that does not check out ends the connection."""
     out: list[bytes] = []
     pos, n = 0, len(data)
+    unpack, crc32, size = records.REC_HDR.unpack_from, zlib.crc32, records.REC_HDR.size
+    view = memoryview(data)
     while pos < n:
         if n - pos < records.HEADER:
             raise WireError("truncated record frame")
-        _m, length, _crc = records.REC_HDR.unpack_from(data, pos)
-        end = pos + records.REC_HDR.size + length
+        magic, length, crc = unpack(data, pos)
+        end = pos + size + length
         if end > n:
             raise WireError("truncated record frame")
+        if magic != records.MAGIC or length < records.REC_META.size:
+            raise WireError("a record frame does not check out")
+        if crc32(view[pos + size : end]) != crc:
+            raise WireError("a record frame does not check out: checksum mismatch")
         out.append(data[pos:end])
         pos = end
-    found, _end, corrupt, torn = records.scan(data, "replication stream", stop_at_corrupt=True)
-    if corrupt or torn or len(found) != len(out):
-        raise WireError("a record frame does not check out")
     return out
 
 
