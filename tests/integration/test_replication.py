@@ -112,6 +112,32 @@ def test_a_backup_holds_every_confirmed_message_and_takes_over(cluster: Cluster)
     assert sorted(drain(b, "q")) == list(range(200))
 
 
+def test_what_the_old_primary_delivered_goes_out_redelivered(cluster: Cluster) -> None:
+    """A delivery awaiting its ack is marked in the log (one MARKS record for a queue's
+    deliveries in a turn): after failover the new primary sends those messages with
+    redelivered=true, and the ones never delivered with redelivered=false."""
+    a, b = cluster.add("a"), cluster.add("b")
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 6)
+    conn = pika.BlockingConnection(pika.URLParameters(a.url()))
+    ch = conn.channel()
+    delivered = [ch.basic_get("q")[2] for _ in range(2)]  # not acked
+    assert delivered == [b"0", b"1"]
+    publish(a, "q", 1, start=6)  # confirmed: b holds every record up to it, the marks too
+    a.kill()
+    cluster.ha("b", "fence", {"epoch": 2})
+    cluster.promote("b", 2, ["b"])
+    conn = pika.BlockingConnection(pika.URLParameters(b.url()))
+    ch = conn.channel()
+    seen = {}
+    for _ in range(7):
+        method, _props, body = ch.basic_get("q", auto_ack=True)
+        seen[int(body)] = method.redelivered
+    conn.close()
+    assert seen == {0: True, 1: True, 2: False, 3: False, 4: False, 5: False, 6: False}
+
+
 def test_a_backup_refuses_clients_naming_the_primary(cluster: Cluster) -> None:
     a, b = cluster.add("a"), cluster.add("b")
     cluster.promote("a", 1, ["a", "b"])

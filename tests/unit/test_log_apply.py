@@ -36,9 +36,13 @@ class Wire:
     def __init__(self) -> None:
         self.frames: list[bytes] = []
         self.held = 0
+        self.woken = False
 
     def ship(self, data: bytes, offset: int) -> None:
         self.frames.append(data)
+
+    def soon(self) -> None:
+        self.woken = True  # a member's loop would ship the turn's marks; tests call emit_marks
 
 
 def primary() -> tuple[Broker, Sequencer, Disk, Wire, list[int]]:
@@ -89,13 +93,14 @@ ops = st.lists(
         st.tuples(st.just("purge"), st.sampled_from(QUEUES)),
         st.tuples(st.just("delete"), st.sampled_from(QUEUES)),
         st.tuples(st.just("tick"), st.integers(0, 200)),
+        st.tuples(st.just("turn")),
     ),
     max_size=60,
 )
 
 
 def run(script: list[tuple[Any, ...]]) -> tuple[Broker, dict[str, list[Message]], Disk, Wire]:
-    b, _seq, disk, wire, now = primary()
+    b, seq, disk, wire, now = primary()
     vh = b.vhost("/")
     vh.declare_queue("dead", durable=True)
     unacked: list[tuple[Any, Message]] = []
@@ -132,6 +137,9 @@ def run(script: list[tuple[Any, ...]]) -> tuple[Broker, dict[str, list[Message]]
         elif kind == "tick":
             now[0] += op[1]
             b.sweep()
+        elif kind == "turn":  # the end of a loop turn: the member ships the turn's marks
+            seq.emit_marks()
+    seq.emit_marks()
     held: dict[str, list[Message]] = {
         name: list(q.messages) + [m for uq, m in unacked if uq is q]
         for name, q in vh.queues.items()
@@ -142,13 +150,17 @@ def run(script: list[tuple[Any, ...]]) -> tuple[Broker, dict[str, list[Message]]
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_a_backup_holds_what_the_primary_holds(script: list[tuple[Any, ...]]) -> None:
-    _b, held, _disk, wire = run(script)
+    b, held, _disk, wire = run(script)
     backup, _ = replay(wire.frames)
     queues = backup.vhost("/").queues
     assert set(queues) == set(held)
     for name, msgs in held.items():
         assert sorted(m.mid for m in queues[name].messages) == sorted(m.mid for m in msgs)
         assert queues[name].depth == len(msgs)
+        # Delivered (awaiting its ack) or requeued: after failover it goes out redelivered.
+        outstanding = b.vhost("/").queues[name].outstanding
+        want = {m.mid: m.redelivered or m.mid in outstanding for m in msgs}
+        assert {m.mid: m.redelivered for m in queues[name].messages} == want
 
 
 @settings(max_examples=300, deadline=None)
@@ -178,6 +190,32 @@ def test_positions_are_one_sequence_and_epochs_have_boundaries() -> None:
     # The transient message is shipped, not written.
     assert [records.head(f)[3] for f in wire.frames] == [True, True, False]
     assert len(disk.frames) == 2
+
+
+def test_a_turns_deliveries_to_a_queue_are_one_record() -> None:
+    """A delivery is marked in the log (after failover it goes out redelivered), but not
+    with a record of its own: the deliveries to a queue in one turn of the primary's loop
+    are one MARKS record, shipped with the turn's other records. A queue deleted in the
+    turn takes none."""
+    b, seq, _disk, wire, _now = primary()
+    vh = b.vhost("/")
+    a, _ = vh.declare_queue("a", durable=True)
+    gone, _ = vh.declare_queue("gone", durable=True)
+    for n in range(4):
+        a.enqueue(msg(True, n))
+        gone.enqueue(msg(True, n))
+    before = len(wire.frames)
+    got = [a.get(), a.get(), gone.get()]
+    assert wire.woken and len(wire.frames) == before  # asked to ship soon; nothing yet
+    vh.delete_queue(gone)
+    seq.emit_marks()
+    marks = [f for f in wire.frames[before:] if records.head(f)[0] == records.MARKS]
+    assert len(marks) == 1
+    mids = [m.mid for m in got[:2] if m is not None]
+    assert records.read_marks(records.payload(marks[0])) == ("/", "a", mids)
+    backup, _ = replay(wire.frames)
+    flags = [m.redelivered for m in backup.vhost("/").queues["a"].messages]
+    assert flags == [True, True, False, False]
 
 
 def test_a_durable_change_to_an_unreplicated_queue_ships_as_a_noop() -> None:

@@ -67,6 +67,9 @@ def describe(rtype: int, payload: bytes) -> str:
             vhost, queue, message_id = records.read_key(payload)
             where = f"queue '{queue}' in vhost '{vhost}'"
             return f"{name} of message {records.show_mid(message_id)} on {where}"
+        if rtype == records.MARKS:
+            vhost, queue, mids = records.read_marks(payload)
+            return f"{name} of {len(mids)} messages on queue '{queue}' in vhost '{vhost}'"
         if rtype == records.DEFINE:
             rec = records.decode_body(payload)
             what = (rec.get("body") or {}).get("name") or (rec.get("body") or {}).get("source")
@@ -82,6 +85,12 @@ def _apply(broker: Broker, rtype: int, payload: bytes) -> None:
     elif rtype in (records.DEQUEUE, records.MARK):
         vhost, queue, mid = records.read_key(payload)
         (dequeue if rtype == records.DEQUEUE else mark)(broker, vhost, queue, mid)
+    elif rtype == records.MARKS:
+        vhost, queue, mids = records.read_marks(payload)
+        q = _queue(broker, vhost, queue)
+        if q is not None:
+            for mid in mids:
+                q.mark(mid)
     elif rtype == records.DEFINE:
         rec = records.decode_body(payload)
         if UNAPPLIABLE is not None and (rec.get("body") or {}).get("name") == UNAPPLIABLE:

@@ -96,8 +96,9 @@ class Journal(Protocol):
     def dequeue(self, queue: Queue, msg: Message) -> int:
         """A message left a queue for good (ack, drop, expiry, purge)."""
 
-    def mark(self, queue: Queue, msg: Message) -> int:
-        """A message was delivered to a consumer and awaits its ack."""
+    def mark(self, queue: Queue, msg: Message) -> None:
+        """A message was delivered to a consumer and awaits its ack (recorded with the
+        turn's other deliveries to its queue, before the turn's records are shipped)."""
 
     def requeued(self, queue: Queue, msg: Message) -> int:
         """A delivered message went back to its queue, flagged redelivered."""
@@ -171,6 +172,9 @@ class Shipper(Protocol):
     def ship(self, data: bytes, offset: int) -> None:
         """Send a record's frame to the followers."""
 
+    def soon(self) -> None:
+        """Records are waiting (`Sequencer.marks`): ship them before this turn ends."""
+
 
 class Sequencer:
     """Implements the Journal port: gives each change its (epoch, offset) and hands the
@@ -187,6 +191,9 @@ class Sequencer:
         self.last_shipped = 0
         self.waiters: collections.deque[tuple[int, int, Callable[[], None]]] = collections.deque()
         self.group: list[Pending] | None = None  # records held back until the group ends
+        # Deliveries not recorded yet, by queue: one MARKS record each when the turn's
+        # records are shipped (`emit_marks`), not a MARK per delivery.
+        self.marks: dict[Queue, list[int]] = {}
 
     @property
     def shipping(self) -> bool:
@@ -282,10 +289,26 @@ class Sequencer:
             (queue.vhost.name, queue.name, msg.mid),
         )
 
-    def mark(self, queue: Queue, msg: Message) -> int:
+    def mark(self, queue: Queue, msg: Message) -> None:
         if self.applying or self.shipper is None or queue.replicate != "all":
-            return 0
-        return self._record(records.MARK, records.key_at(_place(queue), msg.mid), False, True, None)
+            return
+        marks = self.marks
+        pending = marks.get(queue)
+        if pending is not None:
+            pending.append(msg.mid)
+            return
+        if not marks:
+            self.shipper.soon()
+        marks[queue] = [msg.mid]
+
+    def emit_marks(self) -> None:
+        """Record the deliveries marked since the last time (the shipper calls this before
+        it ships a turn's records): one MARKS record per queue."""
+        marks, self.marks = self.marks, {}
+        for queue, mids in marks.items():
+            if not queue.deleted:
+                payload = records.marks_at(_place(queue), mids)
+                self._record(records.MARKS, payload, False, True, None)
 
     def requeued(self, queue: Queue, msg: Message) -> int:
         """A persistent message on a durable queue was requeued: its redelivered flag is

@@ -45,6 +45,7 @@ SNAPSHOT = 4
 MARK = 5  # a delivery to a consumer: after failover the message is redelivered=true
 CHECKPOINT = 6  # an audit marker: each member records its queue depths when it applies it
 NOOP = 7  # holds the position of a durable change that is not replicated (a `none` queue's)
+MARKS = 8  # the deliveries of one queue in one turn of the primary's loop: MARKs, as one record
 DURABLE = 0x80
 MORE = 0x40
 TYPE_MASK = 0x3F
@@ -57,6 +58,7 @@ NAMES = {
     MARK: "mark",
     CHECKPOINT: "checkpoint",
     NOOP: "noop",
+    MARKS: "marks",
 }
 
 
@@ -455,6 +457,20 @@ def read_place(data: bytes) -> tuple[str, str, int]:
             _PLACES.clear()
         _PLACES[raw] = names
     return names[0], names[1], end
+
+
+def marks_at(where: bytes, message_ids: list[int]) -> bytes:
+    """The payload of MARKS: a queue's place, then the ids of its messages delivered."""
+    pack = _ID.pack
+    return where + b"".join([pack(m & OFFSET_MASK, m >> OFFSET_BITS) for m in message_ids])
+
+
+def read_marks(data: bytes) -> tuple[str, str, list[int]]:
+    """(vhost, queue, mids) of a MARKS."""
+    vhost, queue, at = read_place(data)
+    if (len(data) - at) % _ID.size:
+        raise ValueError("truncated message id")
+    return vhost, queue, [(e << OFFSET_BITS) | o for o, e in _ID.iter_unpack(data[at:])]
 
 
 def read_key(data: bytes) -> tuple[str, str, int]:

@@ -187,7 +187,16 @@ class Member:
                 self.loop.call_soon(self._flush)
         self.pending.append(data)
 
+    def soon(self) -> None:
+        if not self.flush_scheduled and self.loop is not None:
+            self.flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
     def _flush(self) -> None:
+        if self.replica.role is Role.PRIMARY:
+            self.sequencer.emit_marks()  # their records join this turn's (no flush scheduled)
+        else:
+            self.sequencer.marks.clear()
         self.flush_scheduled = False
         if not self.pending or self.replica.role is not Role.PRIMARY:
             self.pending = []
