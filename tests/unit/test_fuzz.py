@@ -39,6 +39,9 @@ class FakeTransport:
     def resume_reading(self) -> None:
         pass
 
+    def turn_frames(self) -> int:
+        return FEED_FRAMES
+
     def backlog(self) -> None:
         self.backlogged = True
 

@@ -87,6 +87,9 @@ class Transport(Protocol):
         """Whole frames are left in the buffer: read nothing more until `feed(b"")`, called
         on a later turn of the loop, has handled them."""
 
+    def turn_frames(self) -> int:
+        """The frames this `feed` may handle before the rest waits for a later turn."""
+
 
 class Hub(Protocol):
     """Node-wide services the connection uses: alarms and the direct reply-to directory."""
@@ -216,7 +219,7 @@ class Connection:
         pos = 0
         frame_max = self.frame_max
         unpack_hdr = FRAME_HDR.unpack_from
-        left = FEED_FRAMES
+        left = self.transport.turn_frames()
         try:
             while n - pos >= 7:
                 ftype, ch, size = unpack_hdr(buf, pos)
