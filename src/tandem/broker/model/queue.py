@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tandem import errors
 from tandem.broker.model.journal import Page
 from tandem.broker.model.message import Message
+from tandem.broker.model.shards import Shards
 
 if TYPE_CHECKING:
     from tandem.broker.model.vhost import VirtualHost
@@ -232,7 +233,7 @@ class Queue:
         # RabbitMQ's single active consumer: only the longest-standing consumer is served.
         self.single_active = bool(args.get("x-single-active-consumer", False))
         # While records are applied (recovery, a backup): the messages by id.
-        self.index: dict[int, Message] | None = None
+        self.index: Shards[int, Message] | None = None
         # On a cluster member, the delivered messages awaiting their ack, by id: a full copy
         # for a backup holds them too.
         self.outstanding: dict[int, Message] = {}
@@ -607,9 +608,9 @@ class Queue:
 
     # -- applying records (model/apply.py) ----------------------------------------------
 
-    def _index(self) -> dict[int, Message]:
+    def _index(self) -> Shards[int, Message]:
         if self.index is None:
-            self.index = {m.mid: m for m in self.messages}
+            self.index = Shards((m.mid, m) for m in self.messages)
         return self.index
 
     def restore(self, msg: Message) -> None:

@@ -60,6 +60,7 @@ from tandem.broker.model.journal import Page, Sequencer
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import PAGE_BYTES, Queue
 from tandem.broker.model.records import Corruption
+from tandem.broker.model.shards import Shards
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +72,6 @@ AT_MASK = (1 << AT_BITS) - 1
 # many of its messages are live: a segment still mostly live empties as consumers go on.
 CARRY_BELOW = 8
 CHECKPOINT_MAGIC = b"TANDEM-CHECKPOINT-1\n"
-
-
-class Places(dict[Key, int]):
-    """Where each live message's record is, by its key: a dict subclass, for the garbage
-    collector's sake. CPython stops tracking an exact dict whose keys and values refer to
-    nothing (these keys' tuples are untracked once a collection has seen them), and the next
-    new key tracks it again in the youngest generation, so that every young collection walked
-    every entry: 50 to 200 ms a collection, several a second, with 900,000 messages queued,
-    which held a saturated primary's loop long enough for its controller to fail it over. A
-    subclass stays tracked, in the generation it grew old in (and frozen there,
-    broker/collector.py)."""
-
-    __slots__ = ()
 
 
 @dataclass(slots=True)
@@ -138,7 +126,7 @@ class Store:
         self.active_size = 0
         # Each live message in memory -> where its ENQUEUE record is (AT_BITS); a paged one
         # is its page's instead.
-        self.where = Places()
+        self.where: Shards[Key, int] = Shards()  # model/shards.py: millions, at times
         self.page_bytes = page_bytes
         self.pages: dict[tuple[str, str], set[Page]] = {}  # each queue's pages
         self.pinned: collections.Counter[int] = collections.Counter()  # pages per segment
@@ -901,7 +889,7 @@ class Store:
             # Their owners' connections died with the process (as RabbitMQ deletes them).
             result.exclusive_dropped = apply.drop_exclusive(broker)
             # What is live: the messages the queues hold in memory, and their pages.
-            replayed, self.where = self.where, Places()
+            replayed, self.where = self.where, Shards()
             for key, at in replayed.items():
                 vh = broker.vhosts.get(key[0])
                 q = vh.queues.get(key[1]) if vh is not None else None
@@ -917,7 +905,7 @@ class Store:
                 for page in pages:
                     for seg, n in page.segs.items():
                         self.segments[seg] += n
-            self.marked &= self.where.keys()
+            self.marked = {key for key in self.marked if key in self.where}
             apply.done(broker)
         finally:
             sequencer.applying = self.recovering = False
