@@ -71,6 +71,7 @@ AT_MASK = (1 << AT_BITS) - 1
 # Compaction carries an old segment's live messages forward only once fewer than one in this
 # many of its messages are live: a segment still mostly live empties as consumers go on.
 CARRY_BELOW = 8
+CARRY_BYTES = 1 << 20  # of a segment carried forward in one turn of the loop
 CHECKPOINT_MAGIC = b"TANDEM-CHECKPOINT-1\n"
 
 
@@ -87,6 +88,20 @@ class Recovered:
     exclusive_dropped: list[str] = field(default_factory=list)
     # Messages a checkpoint named (in memory or in pages), or None when none was used.
     from_checkpoint: int | None = None
+
+
+class _Carry:
+    """A segment being carried forward a chunk at a time (`Store._carry_step`)."""
+
+    __slots__ = ("data", "generation", "moved", "pos", "seg", "turns")
+
+    def __init__(self, seg: int, generation: int) -> None:
+        self.seg = seg
+        self.generation = generation  # the log it belongs to (a reset starts another)
+        self.data = b""
+        self.pos = 0
+        self.moved = 0
+        self.turns = 0
 
 
 class _Batch:
@@ -121,6 +136,7 @@ class Store:
         self.broker: Broker | None = None
         self.sequencer: Sequencer | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.carrying: _Carry | None = None  # a large segment being carried forward
         self.segments: collections.OrderedDict[int, int] = collections.OrderedDict()  # live
         self.active = 0  # number of the active segment
         self.active_size = 0
@@ -399,7 +415,12 @@ class Store:
     def _compact(self) -> None:
         """Delete the oldest segments that hold no live message; carry forward the live
         messages of the oldest while there are too many segments. Runs after a batch is on
-        disk and only over segments the writer is done with."""
+        disk and only over segments the writer is done with. A segment larger than
+        CARRY_BYTES is read by the writer's thread and carried a CARRY_BYTES chunk a turn:
+        in one go, a 64 MiB segment held every member's loop for two seconds (they compact
+        in step), and the controller failed the primary over."""
+        if self.carrying is not None:
+            return  # one carry at a time; it compacts again when it is done
         busy = {seg for seg, _ in self.pending.chunks}
         while len(self.segments) > self.max_segments:
             oldest = next(iter(self.segments))
@@ -407,11 +428,14 @@ class Store:
                 break  # a page reads from it: the log holds a deep queue
             if self.segments[oldest] * CARRY_BELOW > self.enqueued[oldest]:
                 break  # mostly live still: consumers will empty it, copying it would not
-            self._carry_forward(oldest)
-            # Deleted only after the batch holding the carried records is on disk.
-            del self.segments[oldest]
-            self.enqueued.pop(oldest, None)
-            self.pending.deletes.append(oldest)
+            path = self._path(oldest)
+            if self.loop is not None and path.stat().st_size > CARRY_BYTES:
+                self.carrying = _Carry(oldest, self.generation)
+                fut = self.loop.run_in_executor(None, path.read_bytes)
+                fut.add_done_callback(self._carry_read)
+                return
+            self._carry_forward(oldest, path.read_bytes())
+            self._carried(oldest)
         for seg in list(self.segments):
             if seg == self.active or seg in busy or self.segments[seg] > 0:
                 break
@@ -419,10 +443,65 @@ class Store:
             self.enqueued.pop(seg, None)
             self.pending.deletes.append(seg)
 
-    def _carry_forward(self, seg: int) -> None:
-        """Write again, as they were, the enqueue records of a segment's live messages, and
-        the durable marks (a requeued message's redelivered flag) of live messages."""
-        found, _end, _corrupt, _torn = records.scan(self._path(seg).read_bytes(), str(seg))
+    def _carried(self, seg: int) -> None:
+        """A segment's live messages are written again: it goes once that is on disk."""
+        self.segments[seg] = 0
+        del self.segments[seg]
+        self.enqueued.pop(seg, None)
+        self.pending.deletes.append(seg)
+        self._schedule()
+
+    def _carry_read(self, fut: asyncio.Future[bytes]) -> None:
+        carry = self.carrying
+        assert carry is not None and self.loop is not None
+        if fut.exception() is not None or carry.generation != self.generation:
+            if fut.exception() is not None:
+                log.warning("compaction: cannot read segment %d: %s", carry.seg, fut.exception())
+            self.carrying = None  # tried again after a later write
+            return
+        carry.data = fut.result()
+        self.loop.call_soon(self._carry_step)
+
+    def _carry_step(self) -> None:
+        """Carry one chunk of the segment being compacted, whole records only."""
+        carry = self.carrying
+        assert carry is not None and self.loop is not None
+        if carry.generation != self.generation or carry.seg not in self.segments:
+            self.carrying = None  # the log was reset (a backup took a full copy)
+            return
+        data, pos = carry.data, carry.pos
+        size = CARRY_BYTES
+        while True:
+            end = min(len(data), pos + size)
+            good = self._carry_forward(carry.seg, data[pos:end])
+            if end == len(data):
+                good = end - pos  # the segment's end: what is not whole is a torn tail
+                break
+            if good:
+                break
+            size *= 2  # no whole record in the chunk: a large one (or damage) spans it
+        carry.pos = pos + good
+        carry.turns += 1
+        if carry.pos < len(data):
+            self.loop.call_soon(self._carry_step)
+            return
+        log.info(
+            "compaction: carried %d live messages out of segment %d (%d bytes, in %d turns)",
+            carry.moved,
+            carry.seg,
+            len(data),
+            carry.turns,
+        )
+        self.carrying = None
+        self._carried(carry.seg)
+        self._compact()
+
+    def _carry_forward(self, seg: int, data: bytes) -> int:
+        """Write again, as they were, the enqueue records in `data` (a segment, or a chunk
+        of one) of the segment's live messages, and the durable marks (a requeued message's
+        redelivered flag) of live messages. Returns the bytes of whole records read; a record
+        cut at the end of `data` is left for the next chunk."""
+        found, good_end, _corrupt, _torn = records.scan(data, str(seg))
         moved = 0
         for rtype, epoch, offset, payload in found:
             kind = rtype & records.TYPE_MASK
@@ -442,8 +521,11 @@ class Store:
             self.enqueued[self.active] += 1
             self._append(records.frame(records.ENQUEUE, epoch, offset, payload))
             moved += 1
-        log.info("compaction: carried %d live messages out of segment %d", moved, seg)
-        self.segments[seg] = 0
+        if self.carrying is not None and self.carrying.seg == seg:
+            self.carrying.moved += moved
+        else:
+            log.info("compaction: carried %d live messages out of segment %d", moved, seg)
+        return good_end
 
     def _flush(self) -> None:
         self.flush_scheduled = False
