@@ -428,6 +428,9 @@ class Store:
                 break  # a page reads from it: the log holds a deep queue
             if self.segments[oldest] * CARRY_BELOW > self.enqueued[oldest]:
                 break  # mostly live still: consumers will empty it, copying it would not
+            if not self.segments[oldest] and not self.marked:
+                self._carried(oldest)  # nothing live in it, and no requeued flag to keep
+                continue
             path = self._path(oldest)
             if self.loop is not None and path.stat().st_size > CARRY_BYTES:
                 self.carrying = _Carry(oldest, self.generation)
