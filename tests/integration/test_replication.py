@@ -56,6 +56,13 @@ class Cluster:
     def promote(self, name: str, epoch: int, isr: list[str]) -> Any:
         return self.ha(name, "promote", {"record": self.record(name, epoch, isr)})
 
+    def pair(self) -> tuple[Broker, Broker]:
+        """Members a and b: a primary of epoch 1, b its backup, both in the ISR."""
+        a, b = self.add("a"), self.add("b")
+        self.promote("a", 1, ["a", "b"])
+        self.follow("b", "a", 1)
+        return a, b
+
     def follow(self, name: str, primary: str, epoch: int) -> Any:
         p = self.members[primary]
         body = {
@@ -96,9 +103,7 @@ def drain(b: Broker, queue: str) -> list[int]:
 def test_a_backup_holds_every_confirmed_message_and_takes_over(cluster: Cluster) -> None:
     """Rule 3: a confirm goes out once the ISR holds the message; rule 5: the backup is
     fenced, then promoted, and serves every confirmed message, transient ones included."""
-    a, b = cluster.add("a"), cluster.add("b")
-    cluster.promote("a", 1, ["a", "b"])
-    cluster.follow("b", "a", 1)
+    a, b = cluster.pair()
     publish(a, "q", 100, persistent=True)
     publish(a, "q", 100, persistent=False, start=100)
     # Confirmed means held by b: no waiting needed.
@@ -116,9 +121,7 @@ def test_what_the_old_primary_delivered_goes_out_redelivered(cluster: Cluster) -
     """A delivery awaiting its ack is marked in the log (one MARKS record for a queue's
     deliveries in a turn): after failover the new primary sends those messages with
     redelivered=true, and the ones never delivered with redelivered=false."""
-    a, b = cluster.add("a"), cluster.add("b")
-    cluster.promote("a", 1, ["a", "b"])
-    cluster.follow("b", "a", 1)
+    a, b = cluster.pair()
     publish(a, "q", 6)
     conn = pika.BlockingConnection(pika.URLParameters(a.url()))
     ch = conn.channel()
@@ -139,9 +142,7 @@ def test_what_the_old_primary_delivered_goes_out_redelivered(cluster: Cluster) -
 
 
 def test_a_backup_refuses_clients_naming_the_primary(cluster: Cluster) -> None:
-    a, b = cluster.add("a"), cluster.add("b")
-    cluster.promote("a", 1, ["a", "b"])
-    cluster.follow("b", "a", 1)
+    a, b = cluster.pair()
     with pytest.raises(pika.exceptions.AMQPConnectionError) as err:
         pika.BlockingConnection(pika.URLParameters(b.url()))
     # pika reports a close during the handshake as a probable access error, with the reply.
@@ -284,9 +285,7 @@ def test_a_member_stops_at_a_corrupt_record_and_takes_the_rest_from_the_primary(
 def test_audit_checkpoints_record_the_same_depths_at_the_same_position(cluster: Cluster) -> None:
     """A checkpoint is a record: every member writes down its queue depths when it applies
     it, so the audit compares members at one position."""
-    a, b = cluster.add("a"), cluster.add("b")
-    cluster.promote("a", 1, ["a", "b"])
-    cluster.follow("b", "a", 1)
+    a, b = cluster.pair()
     publish(a, "q", 30)
     code, made = a.http("POST", "/replication/checkpoints")
     assert code == 200 and made["node"] == "a"
@@ -324,9 +323,7 @@ def test_a_primary_whose_lease_lapsed_closes_its_clients(cluster: Cluster) -> No
 def test_a_committed_transaction_is_on_the_backup_whole(cluster: Cluster) -> None:
     """tx.commit-ok waits for the ISR like a confirm, and the transaction travels as one
     group of records."""
-    a, b = cluster.add("a"), cluster.add("b")
-    cluster.promote("a", 1, ["a", "b"])
-    cluster.follow("b", "a", 1)
+    a, b = cluster.pair()
     publish(a, "q", 5)
     conn = pika.BlockingConnection(pika.URLParameters(a.url()))
     ch = conn.channel()
