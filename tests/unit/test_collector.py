@@ -25,3 +25,25 @@ def test_full_collections_freeze_their_survivors_and_a_thaw_comes_now_and_then()
     finally:
         gc.unfreeze()
         del kept
+
+
+def test_no_thaw_while_the_frozen_objects_are_many() -> None:
+    """A walk of everything with millions of messages queued held a primary for 3 s: the
+    thaw waits until fewer objects are frozen."""
+    now = [0.0]
+    kept = [object() for _ in range(10)]
+    try:
+        gc.unfreeze()
+        policy = LongLived(lambda: now[0], max_frozen=0)  # anything frozen is too much
+        policy("stop", {"generation": 2, "collected": 0})
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        now[0] = THAW_SECONDS
+        policy("stop", {"generation": 2, "collected": 0})
+        assert gc.get_freeze_count() >= frozen  # still frozen: no walk of everything
+        policy.max_frozen = gc.get_freeze_count()  # the queues drained
+        policy("stop", {"generation": 2, "collected": 0})
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+        del kept
