@@ -54,9 +54,10 @@ def _broker(args: argparse.Namespace) -> int:
         level=cfg.log_level,
         format=f"%(asctime)s %(levelname)s [{cfg.node_id}] %(name)s: %(message)s",
     )
-    collector.install()  # full collections walk only what is new (broker/collector.py)
+    policy = collector.install()  # full collections walk only what is new (broker/collector.py)
     try:
         node = Node(cfg)
+        policy.quiet = node.quiet
         try:
             import uvloop
         except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

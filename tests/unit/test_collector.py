@@ -47,3 +47,25 @@ def test_no_thaw_while_the_frozen_objects_are_many() -> None:
     finally:
         gc.unfreeze()
         del kept
+
+
+def test_no_thaw_while_the_node_is_not_quiet() -> None:
+    """The count of frozen objects does not show what a walk visits (every index entry and
+    queue slot): the node says when its queues are shallow enough."""
+    now = [0.0]
+    kept = [object() for _ in range(10)]
+    busy = [True]
+    try:
+        gc.unfreeze()
+        policy = LongLived(lambda: now[0])
+        policy.quiet = lambda: not busy[0]
+        policy("stop", {"generation": 2, "collected": 0})
+        now[0] = THAW_SECONDS
+        policy("stop", {"generation": 2, "collected": 0})
+        assert gc.get_freeze_count() > 0  # many messages queued: no walk of everything
+        busy[0] = False
+        policy("stop", {"generation": 2, "collected": 0})
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+        del kept

@@ -9,10 +9,12 @@ the hot path; what dies in a cycle (a closed connection's objects, say) mostly d
 So the survivors of each full collection are frozen (`gc.freeze`): later full collections
 walk only what came since. Every THAW_SECONDS the frozen objects are handed back, and the
 next full collection walks everything once, freeing any cycle that died among them; but only
-while they are fewer than THAW_MAX_FROZEN. A walk of everything with millions of messages
-queued held a saturated primary for three seconds, ten minutes into a run, and its controller
-failed it over: the few cycles that die among long-lived objects (a long-lived connection's,
-once closed) wait until the queues are shallower.
+while they are fewer than THAW_MAX_FROZEN and the node says it is `quiet` (its queues hold
+few messages: a walk visits every entry of the indexes and every slot of the queues, which
+the count of frozen objects does not show). A walk of everything with millions of messages
+queued held a saturated primary for one to three seconds, ten minutes into a run, and its
+controller failed it over: the few cycles that die among long-lived objects (a long-lived
+connection's, once closed) wait until the queues are shallower.
 """
 
 from __future__ import annotations
@@ -34,13 +36,18 @@ class LongLived:
     ) -> None:
         self.clock = clock
         self.max_frozen = max_frozen
+        self.quiet: Callable[[], bool] = lambda: True  # the node's say (Node.quiet)
         self.thawed = clock()
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase != "stop" or info.get("generation") != 2:
             return
         now = self.clock()
-        if now - self.thawed >= THAW_SECONDS and gc.get_freeze_count() <= self.max_frozen:
+        if (
+            now - self.thawed >= THAW_SECONDS
+            and gc.get_freeze_count() <= self.max_frozen
+            and self.quiet()
+        ):
             self.thawed = now
             gc.unfreeze()  # the next full collection walks everything
         else:
