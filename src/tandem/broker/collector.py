@@ -11,10 +11,11 @@ walk only what came since. Every THAW_SECONDS the frozen objects are handed back
 next full collection walks everything once, freeing any cycle that died among them; but only
 while they are fewer than THAW_MAX_FROZEN and the node says it is `quiet` (its queues hold
 few messages: a walk visits every entry of the indexes and every slot of the queues, which
-the count of frozen objects does not show). A walk of everything with millions of messages
-queued held a saturated primary for one to three seconds, ten minutes into a run, and its
-controller failed it over: the few cycles that die among long-lived objects (a long-lived
-connection's, once closed) wait until the queues are shallower.
+the count of frozen objects does not show). A full walk with millions of messages queued
+takes seconds, long enough for a controller to fail a primary over (a suspect, not yet the
+proven cause, of the failovers ten minutes into saturated runs, docs/performance.md): the few
+cycles that die among long-lived objects (a long-lived connection's, once closed) wait until
+the queues are shallower.
 """
 
 from __future__ import annotations
