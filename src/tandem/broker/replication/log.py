@@ -226,18 +226,13 @@ class BrokerLog:
         rtype = flags & records.TYPE_MASK
         sequencer, store = self.sequencer, self.store
         bounds = sequencer.boundaries
-        if not bounds or bounds[-1][0] != epoch:
-            if store is not None:
-                store.boundary(epoch, offset)
-            bounds.append((epoch, offset))  # Sequencer.follow, inlined
+        if store is not None and (not bounds or bounds[-1][0] != epoch):
+            store.boundary(epoch, offset)
         if rtype in _MESSAGE_RECORDS and self.drop_enqueues_to is None:
             self._take_message(data, rtype, epoch, offset, flags & records.DURABLE)
         else:
             self._take_other(data, rtype, epoch, offset, bool(flags & records.DURABLE))
-        if epoch > sequencer.epoch:
-            sequencer.epoch = epoch
-        if offset > sequencer.offset:
-            sequencer.offset = offset
+        sequencer.follow(epoch, offset)
         self.keep(offset, data)
 
     def _take_message(self, data: bytes, rtype: int, epoch: int, offset: int, durable: int) -> None:

@@ -15,7 +15,6 @@ import hashlib
 import hmac
 import json
 import struct
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,19 +105,11 @@ def frames(data: bytes) -> list[bytes]:
     """Split checked record frames; a frame that does not check out ends the connection."""
     out: list[bytes] = []
     pos, n = 0, len(data)
-    unpack, crc32, size = records.REC_HDR.unpack_from, zlib.crc32, records.REC_HDR.size
-    view = memoryview(data)
     while pos < n:
-        if n - pos < records.HEADER:
-            raise WireError("truncated record frame")
-        magic, length, crc = unpack(data, pos)
-        end = pos + size + length
-        if end > n:
-            raise WireError("truncated record frame")
-        if magic != records.MAGIC or length < records.REC_META.size:
-            raise WireError("a record frame does not check out")
-        if crc32(view[pos + size : end]) != crc:
-            raise WireError("a record frame does not check out: checksum mismatch")
+        problem = records.problem_at(data, pos)
+        if problem is not None:
+            raise WireError(f"a record frame does not check out: {problem}")
+        end = pos + records.REC_HDR.size + records.REC_HDR.unpack_from(data, pos)[1]
         out.append(data[pos:end])
         pos = end
     return out
