@@ -245,45 +245,6 @@ def _bytes(value: bytes) -> bytes:
     return U32.pack(len(value)) + value
 
 
-class Reader:
-    __slots__ = ("data", "pos")
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.pos = 0
-
-    def str(self) -> str:
-        (n,) = STR16.unpack_from(self.data, self.pos)
-        self.pos += 2 + n
-        if self.pos > len(self.data):
-            raise ValueError("truncated field")
-        return self.data[self.pos - n : self.pos].decode()
-
-    def bytes(self) -> bytes:
-        (n,) = U32.unpack_from(self.data, self.pos)
-        self.pos += 4 + n
-        if self.pos > len(self.data):
-            raise ValueError("truncated field")
-        return self.data[self.pos - n : self.pos]
-
-    def skip(self) -> None:
-        """Step over a length-prefixed field without copying it."""
-        (n,) = U32.unpack_from(self.data, self.pos)
-        self.pos += 4 + n
-        if self.pos > len(self.data):
-            raise ValueError("truncated field")
-
-    def u64(self) -> int:
-        (v,) = U64.unpack_from(self.data, self.pos)
-        self.pos += 8
-        return int(v)
-
-    def u32(self) -> int:
-        (v,) = U32.unpack_from(self.data, self.pos)
-        self.pos += 4
-        return int(v)
-
-
 # A structured payload (definitions, snapshots, checkpoints, users) is an AMQP field table
 # behind this format byte, so arguments keep their AMQP types: bytes stay bytes, a decimal
 # stays a decimal, a timestamp a timestamp, nested tables and arrays as they were. Payloads

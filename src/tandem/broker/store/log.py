@@ -437,7 +437,8 @@ class Store:
                 fut = self.loop.run_in_executor(None, path.read_bytes)
                 fut.add_done_callback(self._carry_read)
                 return
-            self._carry_forward(oldest, path.read_bytes())
+            _whole, moved = self._carry_forward(oldest, path.read_bytes())
+            log.info("compaction: carried %d live messages out of segment %d", moved, oldest)
             self._carried(oldest)
         for seg in list(self.segments):
             if seg == self.active or seg in busy or self.segments[seg] > 0:
@@ -448,7 +449,6 @@ class Store:
 
     def _carried(self, seg: int) -> None:
         """A segment's live messages are written again: it goes once that is on disk."""
-        self.segments[seg] = 0
         del self.segments[seg]
         self.enqueued.pop(seg, None)
         self.pending.deletes.append(seg)
@@ -476,7 +476,8 @@ class Store:
         size = CARRY_BYTES
         while True:
             end = min(len(data), pos + size)
-            good = self._carry_forward(carry.seg, data[pos:end])
+            good, moved = self._carry_forward(carry.seg, data[pos:end])
+            carry.moved += moved
             if end == len(data):
                 good = end - pos  # the segment's end: what is not whole is a torn tail
                 break
@@ -499,11 +500,11 @@ class Store:
         self._carried(carry.seg)
         self._compact()
 
-    def _carry_forward(self, seg: int, data: bytes) -> int:
+    def _carry_forward(self, seg: int, data: bytes) -> tuple[int, int]:
         """Write again, as they were, the enqueue records in `data` (a segment, or a chunk
         of one) of the segment's live messages, and the durable marks (a requeued message's
-        redelivered flag) of live messages. Returns the bytes of whole records read; a record
-        cut at the end of `data` is left for the next chunk."""
+        redelivered flag) of live messages. Returns the bytes of whole records read (a record
+        cut at the end of `data` is left for the next chunk) and the messages carried."""
         found, good_end, _corrupt, _torn = records.scan(data, str(seg))
         moved = 0
         for rtype, epoch, offset, payload in found:
@@ -524,11 +525,7 @@ class Store:
             self.enqueued[self.active] += 1
             self._append(records.frame(records.ENQUEUE, epoch, offset, payload))
             moved += 1
-        if self.carrying is not None and self.carrying.seg == seg:
-            self.carrying.moved += moved
-        else:
-            log.info("compaction: carried %d live messages out of segment %d", moved, seg)
-        return good_end
+        return good_end, moved
 
     def _flush(self) -> None:
         self.flush_scheduled = False
