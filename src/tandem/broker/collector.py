@@ -12,10 +12,15 @@ next full collection walks everything once, freeing any cycle that died among th
 while they are fewer than THAW_MAX_FROZEN and the node says it is `quiet` (its queues hold
 few messages: a walk visits every entry of the indexes and every slot of the queues, which
 the count of frozen objects does not show). A full walk with millions of messages queued
-takes seconds, long enough for a controller to fail a primary over (a suspect, not yet the
-proven cause, of the failovers ten minutes into saturated runs, docs/performance.md): the few
-cycles that die among long-lived objects (a long-lived connection's, once closed) wait until
-the queues are shallower.
+takes seconds, long enough for a controller to fail a primary over: the few cycles that die
+among long-lived objects (a long-lived connection's, once closed) wait until the queues are
+shallower.
+
+Counting the frozen objects is itself a walk (`gc.get_freeze_count` follows a linked list of
+all of them): 0.3 s with ten million, and it ran after every full collection once
+THAW_SECONDS had passed, which made saturated runs fail over ten minutes in
+(docs/performance.md). It is asked only once the node is quiet, and then at most every
+RECHECK_SECONDS.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 THAW_SECONDS = 600.0
 THAW_MAX_FROZEN = 500_000  # objects: a walk of all of them takes about 0.2 s
+RECHECK_SECONDS = 10.0  # quiet, but too many frozen: count them again after this long
 
 
 class LongLived:
@@ -38,21 +44,19 @@ class LongLived:
         self.clock = clock
         self.max_frozen = max_frozen
         self.quiet: Callable[[], bool] = lambda: True  # the node's say (Node.quiet)
-        self.thawed = clock()
+        self.next_look = clock() + THAW_SECONDS
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase != "stop" or info.get("generation") != 2:
             return
         now = self.clock()
-        if (
-            now - self.thawed >= THAW_SECONDS
-            and gc.get_freeze_count() <= self.max_frozen
-            and self.quiet()
-        ):
-            self.thawed = now
-            gc.unfreeze()  # the next full collection walks everything
-        else:
-            gc.freeze()
+        if now >= self.next_look and self.quiet():
+            if gc.get_freeze_count() <= self.max_frozen:  # a walk: only when quiet
+                self.next_look = now + THAW_SECONDS
+                gc.unfreeze()  # the next full collection walks everything
+                return
+            self.next_look = now + RECHECK_SECONDS
+        gc.freeze()
 
 
 def install() -> LongLived:
