@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,11 +40,23 @@ def test_it_holds_what_a_dict_holds(script: list[tuple[str, object, int]]) -> No
     assert len(ours) == len(theirs) and bool(ours) == bool(theirs)
 
 
-def test_each_shard_grows_alone() -> None:
-    """Message ids spread evenly over the shards: a doubling moves a SHARDS-th of them."""
-    index: Shards[int, int] = Shards((3 << 64 | offset, offset) for offset in range(1, 100_001))
-    sizes = [len(shard) for shard in index.shards]
-    assert max(sizes) - min(sizes) <= 100_000 // SHARDS // 10
+@pytest.mark.parametrize("kind", ["message ids", "store keys"])
+def test_the_shards_double_one_at_a_time(kind: str) -> None:
+    """With even shares, consecutive message ids filled every shard in step and all of them
+    doubled within the same few inserts: one dict's doubling, as long a pause. Over a
+    doubling of the whole, each shard doubles, and never more than two in a thousand inserts."""
+    index: Shards[object, int] = Shards()
+    sizes = [sys.getsizeof(shard) for shard in index.shards]
+    doublings = []
+    for batch in range(600):
+        for n in range(batch * 1000, batch * 1000 + 1000):
+            mid = 3 << 64 | 3 * n  # a queue's ids: every third offset, say
+            index[mid if kind == "message ids" else ("/", "q", mid)] = n
+        now = [sys.getsizeof(shard) for shard in index.shards]
+        if batch >= 300:
+            doublings.append(sum(a != b for a, b in zip(sizes, now, strict=True)))
+        sizes = now
+    assert sum(doublings) >= SHARDS and max(doublings) <= 2, doublings
 
 
 def test_a_new_key_does_not_make_a_shard_young_again() -> None:

@@ -12,8 +12,12 @@ holds millions of entries (every live message, on a deep queue):
   in the youngest generation, so every young collection walked every entry: 50 to 200 ms a
   collection, several a second, with 900,000 messages queued.
 
-`Shards` keeps SHARDS dicts, a key's by its hash: each grows on its own, by a SHARDS-th of the
-whole. They are a dict subclass, which the collector never untracks: once old (and frozen,
+`Shards` keeps SHARDS dicts, a key's by its hash: each grows on its own. Their shares of the
+keys differ, from 1 to 2 in steps of 2**(1/SHARDS): with even shares, message ids (consecutive
+offsets) filled every shard in step, and all of them doubled within the same few inserts, as
+long a pause as one dict's doubling (a backup, silent for a second, left the in-sync set).
+Skewed, the shards reach their doubling sizes one after another, about 1% of the whole apart.
+They are a dict subclass, which the collector never untracks: once old (and frozen,
 broker/collector.py) a shard stays so.
 """
 
@@ -27,7 +31,22 @@ V = TypeVar("V")
 T = TypeVar("T")
 
 SHARDS = 64
-_MASK = SHARDS - 1
+_SLOTS = 1 << 14  # a key's hash picks a slot, and the slot its shard
+
+
+def _slots() -> list[int]:
+    """Shard i gets a share of the slots proportional to 2**(i/SHARDS), in runs."""
+    weights = [2 ** (i / SHARDS) for i in range(SHARDS)]
+    total, below = sum(weights), 0.0
+    out: list[int] = []
+    for i, weight in enumerate(weights):
+        below += weight
+        out += [i] * round(_SLOTS * below / total - len(out))
+    return out
+
+
+_SHARD_OF = _slots()
+_MASK = _SLOTS - 1
 _MISSING = object()
 
 
@@ -46,16 +65,16 @@ class Shards(Generic[K, V]):
             self[key] = value
 
     def __getitem__(self, key: K) -> V:
-        return self.shards[hash(key) & _MASK][key]
+        return self.shards[_SHARD_OF[hash(key) & _MASK]][key]
 
     def __setitem__(self, key: K, value: V) -> None:
-        self.shards[hash(key) & _MASK][key] = value
+        self.shards[_SHARD_OF[hash(key) & _MASK]][key] = value
 
     def __delitem__(self, key: K) -> None:
-        del self.shards[hash(key) & _MASK][key]
+        del self.shards[_SHARD_OF[hash(key) & _MASK]][key]
 
     def __contains__(self, key: object) -> bool:
-        return key in self.shards[hash(key) & _MASK]
+        return key in self.shards[_SHARD_OF[hash(key) & _MASK]]
 
     @overload
     def get(self, key: K) -> V | None: ...
@@ -64,7 +83,7 @@ class Shards(Generic[K, V]):
     def get(self, key: K, default: T) -> V | T: ...
 
     def get(self, key: K, default: object = None) -> object:
-        return self.shards[hash(key) & _MASK].get(key, default)
+        return self.shards[_SHARD_OF[hash(key) & _MASK]].get(key, default)
 
     @overload
     def pop(self, key: K) -> V: ...
@@ -73,7 +92,7 @@ class Shards(Generic[K, V]):
     def pop(self, key: K, default: T) -> V | T: ...
 
     def pop(self, key: K, default: object = _MISSING) -> object:
-        shard = self.shards[hash(key) & _MASK]
+        shard = self.shards[_SHARD_OF[hash(key) & _MASK]]
         return shard.pop(key) if default is _MISSING else shard.pop(key, default)
 
     def __len__(self) -> int:
