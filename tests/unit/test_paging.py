@@ -162,3 +162,58 @@ def test_a_requeued_flag_replayed_survives_the_next_checkpoint(tmp_path: Path) -
     q = broker.vhost("/").queues["q"]
     assert [(int(m.body_bytes()), m.redelivered) for m in q.all_ready()] == [(2, True), (3, False)]
     apply.done(broker)
+
+
+def test_compaction_leaves_an_oldest_segment_whose_live_messages_are_being_consumed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The oldest segment of a deep queue being drained is the queue's head: under a
+    saturated run every member read, scanned and "carried 0 live messages" out of a 64 MiB
+    segment every seven seconds, the consumers having acked them meanwhile. It is carried
+    once its live messages have not fallen for store.CARRY_PATIENCE."""
+    from collections import Counter, OrderedDict
+
+    from tandem.broker.store import log as log_mod
+
+    write_log(tmp_path, enqueue(2))
+    now = [0.0]
+    monkeypatch.setattr(log_mod.time, "monotonic", lambda: now[0])
+    store = Store(tmp_path, fsync=False, max_segments=2)
+    store.where[("/", "q", records.mid(1, 2))] = 1 << log_mod.AT_BITS  # segment 1, byte 0
+    store.segments = OrderedDict([(1, 5), (2, 0), (3, 0)])  # 5 of segment 1's 100 live
+    store.enqueued = Counter({1: 100, 2: 1, 3: 1})
+    store.active = 3
+
+    def look(live: int, at: float) -> bool:
+        """Compact at time `at` with `live` messages left in segment 1: is it carried?"""
+        now[0] = at
+        if 1 in store.segments:
+            store.segments[1] = live
+        store._compact()
+        return 1 not in store.segments
+
+    assert not look(5, 0.0)  # first seen
+    assert not look(4, 1.0)  # consumed from
+    assert not look(3, 1.0 + log_mod.CARRY_PATIENCE - 0.1)  # and again
+    assert not look(3, 1.0 + 2 * log_mod.CARRY_PATIENCE - 0.2)  # not for a while yet
+    assert look(3, 1.0 + 2 * log_mod.CARRY_PATIENCE)  # stuck: carried
+    assert [seg for seg, _ in store.pending.chunks] == [3]  # message 2, written again
+
+
+def test_a_closed_store_writes_nothing_more_and_raises_nothing(tmp_path: Path) -> None:
+    """A node's last turns after the store closed (a chunk being carried forward, a record
+    come in) scheduled a write on the stopped executor: "Executor shutdown has been called",
+    logged as an unexpected error at every stop under load."""
+    seg = write_log(tmp_path, declare(), enqueue(2))
+    store, _broker = recover(tmp_path, page_bytes=0)
+    loop = LOOPS[-1][-1]
+    errors: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    store.close()
+    loop.run_until_complete(loop.shutdown_default_executor())
+    before = seg.read_bytes()
+    store._append(enqueue(3))
+    store._compact()
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert errors == [] and seg.read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "log").glob("*.seg")) == [seg.name]
