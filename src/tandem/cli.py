@@ -117,6 +117,9 @@ def _cluster_up(args: argparse.Namespace) -> int:
     )
     try:
         asyncio.run(cluster_mod.up(cluster))
+    except errors.DataDirGone as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 1
     except (errors.TandemError, OSError, RuntimeError) as exc:
         print(f"tandem: cannot start the cluster: {exc}", file=sys.stderr)
         return 1

@@ -102,3 +102,7 @@ class ConfigError(TandemError):
 
 class StartError(TandemError):
     """The node cannot start (a port in use, a data dir held by another node)."""
+
+
+class DataDirGone(TandemError):
+    """A running cluster's data directory was deleted under it."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import ssl
 import subprocess
@@ -236,6 +237,21 @@ def test_members_die_with_the_cluster_process_and_it_starts_again(
         time.sleep(0.05)  # polling for the kernel to end them
     cluster.start()
     assert sorted(drain(cluster, "dq")) == list(range(1, 20, 2))
+
+
+def test_a_data_dir_deleted_under_the_cluster_stops_it_and_says_so(cluster: LocalCluster) -> None:
+    """It went on, its controller logging an unexpected error "please report it as a bug"
+    ten times a second, and clients of the front port hanging in their handshake (the front
+    reaches the primary by a socket in the data dir): nothing confirmed could have survived
+    a restart. It stops, and says why in one line."""
+    pids = [m["pid"] for m in cluster.cluster()["members"]]
+    shutil.rmtree(cluster.data_dir)
+    assert cluster.proc is not None
+    assert cluster.proc.wait(30) == 1
+    cluster.proc = None
+    gone = f"the cluster's data directory {cluster.data_dir} was deleted while the cluster ran"
+    assert f"tandem: {gone}" in cluster.log(), cluster.log()[-3000:]
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "members outlived it"
 
 
 def test_a_front_port_in_use_is_one_line_naming_the_option(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from tandem.ha.decide import Action
-from tandem.ha.loop import BUG, Controller
+from tandem.ha.loop import BUG, REPEAT_SECONDS, Controller
 from tandem.ha.model import ElectionRecord, Liveness, Member, Position, Role, Settings
 from tandem.ha.ports import Unavailable
 
@@ -222,6 +222,33 @@ def test_an_unreachable_world_is_a_warning_not_a_bug(caplog: pytest.LogCaptureFi
         asyncio.run(c.run(type("Stop", (), {"is_set": lambda self: next(turns)})()))
     assert "did not answer" in caplog.text and BUG not in caplog.text
     assert ("renew", "a") in cluster.calls
+
+
+def test_a_port_unavailable_for_the_same_reason_is_said_again_only_now_and_then(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A data dir deleted under a running cluster made the controller log every 0.1 s."""
+
+    class Gone(Store):
+        reason = "the cluster's data directory /d is gone"
+
+        async def read(self) -> ElectionRecord:
+            raise Unavailable(self.reason)
+
+    store, cluster = healthy()
+    gone = Gone(store.record)
+    c = Controller("demo", gone, cluster, cluster, Clock(), Settings())
+    turns = int(REPEAT_SECONDS / c.poll_interval) * 2 + 5  # two and a bit repeat periods
+    left = iter(range(turns, -1, -1))
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(c.run(type("Stop", (), {"is_set": lambda self: next(left) == 0})()))
+    said = [r.getMessage() for r in caplog.records if "/d is gone" in r.getMessage()]
+    assert len(said) == 3, said
+    assert "still, 300 turns since" in said[1]
+    gone.reason = "something else"
+    asyncio.run(c.run(type("Stop", (), {"is_set": iter([False, True]).__next__})()))
+    assert "something else" in caplog.records[-1].getMessage()
+    assert BUG not in caplog.text
 
 
 def test_a_changed_isr_minimum_is_written_to_the_record_and_sent_to_the_primary() -> None:

@@ -26,6 +26,7 @@ class Stopped(Protocol):
 
 
 BUG = "unexpected error, please report it as a bug"
+REPEAT_SECONDS = 30.0  # a port unavailable for the same reason is logged this often
 
 
 @dataclass(slots=True)
@@ -51,6 +52,9 @@ class Controller:
     # The last decision that changed the record or a member (not HOLD or WAIT): why the
     # ISR and the primary are what they are, for `cluster status`.
     last_change: Decision | None = None
+    # What the loop last said it could not do (`Unavailable`), when, and the turns since: the
+    # same reason is said again only every REPEAT_SECONDS, not every turn.
+    unavailable: tuple[str, float, int] = ("", 0.0, 0)
 
     async def turn(self) -> Decision:
         """Observe once, decide once, act once."""
@@ -141,12 +145,22 @@ class Controller:
             )
         return stored
 
+    def _unavailable(self, reason: str) -> None:
+        said, at, turns = self.unavailable
+        now = self.clock.monotonic()
+        if reason == said and now - at < REPEAT_SECONDS:
+            self.unavailable = (said, at, turns + 1)
+            return
+        again = f" (still, {turns + 1} turns since it was last said)" if reason == said else ""
+        log.warning("cluster=%s cannot look or act this turn: %s%s", self.cluster, reason, again)
+        self.unavailable = (reason, now, 0)
+
     async def run(self, stopped: Stopped) -> None:
         while not stopped.is_set():
             try:
                 d = await self.turn()
             except Unavailable as exc:
-                log.warning("cluster=%s cannot look or act this turn: %s", self.cluster, exc)
+                self._unavailable(str(exc))
                 d = None
             except Exception:
                 log.exception("cluster=%s %s", self.cluster, BUG)

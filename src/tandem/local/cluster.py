@@ -38,7 +38,7 @@ from tandem.broker.status import (
     ReplicationStatus,
 )
 from tandem.broker.store.lock import DataDirLock
-from tandem.errors import StartError
+from tandem.errors import DataDirGone, StartError
 from tandem.ha import decide
 from tandem.ha import loop as ha_loop
 from tandem.ha.model import ElectionRecord, Member, Settings, View
@@ -47,6 +47,8 @@ from tandem.local.front import Front
 from tandem.local.members import Proc, Supervisor
 
 log = logging.getLogger(__name__)
+
+WATCH_SECONDS = 1.0  # how often the cluster checks that its data directory is still there
 
 # Settings the cluster gives each member itself; a --config file's values for them are ignored.
 MEMBER_SETTINGS = frozenset(
@@ -119,6 +121,7 @@ class LocalCluster:
         self.controller: ha_loop.Controller | None = None
         self.observer: FollowingObserver | None = None
         self.session: aiohttp.ClientSession | None = None
+        self.gone: str | None = None  # why the cluster stopped on its own (_watch)
 
     async def run(self, stop: asyncio.Event) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -128,6 +131,8 @@ class LocalCluster:
             await self._run(stop)
         finally:
             lock.release()
+        if self.gone is not None:
+            raise DataDirGone(self.gone)
 
     async def _run(self, stop: asyncio.Event) -> None:
         key_file = cluster_key(self.data_dir)
@@ -178,12 +183,29 @@ class LocalCluster:
                         tg.create_task(supervisor.keep(p))
                     tg.create_task(self.front.run(stop))
                     tg.create_task(self.controller.run(stop))
+                    tg.create_task(self._watch(stop))
                     await stop.wait()
                     self.clock.wake.set()
                     await supervisor.stop()
                 await runner.cleanup()
             finally:
                 await supervisor.stop()
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        """Stop the cluster if its data directory is deleted under it: the members' logs and
+        the election record went with it, so nothing confirmed from then on would survive a
+        restart, and the front port (its socket was in there) can reach no member."""
+        while not stop.is_set():
+            if not self.data_dir.is_dir():
+                self.gone = (
+                    f"the cluster's data directory {self.data_dir} was deleted while the "
+                    "cluster ran; its members' logs went with it: stopped"
+                )
+                log.error("%s", self.gone)
+                stop.set()
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), WATCH_SECONDS)
 
     def _exited(self, proc: Proc) -> None:
         """A member's process ended: the controller looks again at once."""

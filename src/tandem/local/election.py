@@ -2,7 +2,8 @@
 
 `<data_dir>/election.json` holds the record; `<data_dir>/election.lock` is flocked for each
 read-compare-write, so two controllers (or a controller and its restarted self) cannot both
-win. A missing file is a new cluster: no primary, epoch 0, every member in sync.
+win. A missing file is a new cluster: no primary, epoch 0, every member in sync. A directory that
+cannot be read or written (deleted under a running cluster, say) is `Unavailable`, named.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tandem.ha.model import ElectionRecord
+from tandem.ha.ports import Unavailable
 
 
 class FileElectionStore:
@@ -25,17 +27,43 @@ class FileElectionStore:
         self.nodes = nodes
 
     def _read(self) -> ElectionRecord:
-        if not self.path.exists():
-            return ElectionRecord.initial(self.nodes)
         try:
-            return ElectionRecord.from_dict(json.loads(self.path.read_text()))
-        except (OSError, ValueError) as exc:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            if not self.path.parent.is_dir():  # not a new cluster: a deleted one
+                raise self._gone() from None
+            return ElectionRecord.initial(self.nodes)
+        except OSError as exc:
+            raise self._unavailable("read", exc) from None
+        try:
+            return ElectionRecord.from_dict(json.loads(text))
+        except ValueError as exc:
             raise ValueError(f"cannot read the election record {self.path}: {exc}") from None
+
+    def _unavailable(self, doing: str, exc: OSError) -> Unavailable:
+        if not self.path.parent.is_dir():
+            return self._gone()
+        return Unavailable(f"cannot {doing} the election record {self.path}: {exc}")
+
+    def _gone(self) -> Unavailable:
+        return Unavailable(
+            f"the cluster's data directory {self.path.parent} is gone: no failover or "
+            "change of the in-sync set can be recorded until it is back (was it deleted "
+            "while the cluster ran?)"
+        )
 
     async def read(self) -> ElectionRecord:
         return self._read()
 
     async def compare_and_set(
+        self, expected: ElectionRecord, new: ElectionRecord
+    ) -> ElectionRecord | None:
+        try:
+            return self._compare_and_set(expected, new)
+        except OSError as exc:
+            raise self._unavailable("write", exc) from None
+
+    def _compare_and_set(
         self, expected: ElectionRecord, new: ElectionRecord
     ) -> ElectionRecord | None:
         with open(self.lock_path, "a") as lock:
