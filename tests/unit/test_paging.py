@@ -165,7 +165,7 @@ def test_a_requeued_flag_replayed_survives_the_next_checkpoint(tmp_path: Path) -
 
 
 def test_compaction_leaves_an_oldest_segment_whose_live_messages_are_being_consumed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """The oldest segment of a deep queue being drained is the queue's head: under a
     saturated run every member read, scanned and "carried 0 live messages" out of a 64 MiB
@@ -177,8 +177,7 @@ def test_compaction_leaves_an_oldest_segment_whose_live_messages_are_being_consu
 
     write_log(tmp_path, enqueue(2))
     now = [0.0]
-    monkeypatch.setattr(log_mod.time, "monotonic", lambda: now[0])
-    store = Store(tmp_path, fsync=False, max_segments=2)
+    store = Store(tmp_path, fsync=False, max_segments=2, clock=lambda: now[0])
     store.where[("/", "q", records.mid(1, 2))] = 1 << log_mod.AT_BITS  # segment 1, byte 0
     store.segments = OrderedDict([(1, 5), (2, 0), (3, 0)])  # 5 of segment 1's 100 live
     store.enqueued = Counter({1: 100, 2: 1, 3: 1})
@@ -192,12 +191,63 @@ def test_compaction_leaves_an_oldest_segment_whose_live_messages_are_being_consu
         store._compact()
         return 1 not in store.segments
 
+    patience = log_mod.CARRY_PATIENCE
     assert not look(5, 0.0)  # first seen
     assert not look(4, 1.0)  # consumed from
-    assert not look(3, 1.0 + log_mod.CARRY_PATIENCE - 0.1)  # and again
-    assert not look(3, 1.0 + 2 * log_mod.CARRY_PATIENCE - 0.2)  # not for a while yet
-    assert look(3, 1.0 + 2 * log_mod.CARRY_PATIENCE)  # stuck: carried
+    assert not look(3, 1.0 + patience - 0.1)  # and again
+    assert not look(3, 1.0 + 2 * patience - 0.2)  # not for a while yet
+    assert look(3, 1.0 + 2 * patience)  # stuck: carried
     assert [seg for seg, _ in store.pending.chunks] == [3]  # message 2, written again
+
+
+def test_compaction_carries_a_segment_consumed_too_slowly_after_a_limit(tmp_path: Path) -> None:
+    """A consumer taking one message a second from the oldest segment would otherwise hold
+    compaction (and the deletion of every younger empty segment) for hours."""
+    from collections import Counter, OrderedDict
+
+    from tandem.broker.store import log as log_mod
+
+    write_log(tmp_path, enqueue(2))
+    now = [0.0]
+    store = Store(tmp_path, fsync=False, max_segments=2, clock=lambda: now[0])
+    store.where[("/", "q", records.mid(1, 2))] = 1 << log_mod.AT_BITS
+    store.segments = OrderedDict([(1, 10_000), (2, 0), (3, 0)])
+    store.enqueued = Counter({1: 100_000, 2: 1, 3: 1})
+    store.active = 3
+    while 1 in store.segments:
+        assert now[0] <= log_mod.CARRY_LIMIT + 1
+        store.segments[1] -= 1  # one consumed a second
+        store._compact()
+        now[0] += 1.0
+    assert now[0] >= log_mod.CARRY_LIMIT
+
+
+def test_compaction_looks_again_once_its_patience_is_over_without_a_write(
+    tmp_path: Path,
+) -> None:
+    """A node that goes idle right after the last ack would otherwise keep a segment to
+    carry until something was written."""
+    from collections import Counter, OrderedDict
+
+    from tandem.broker.store import log as log_mod
+
+    write_log(tmp_path, enqueue(2))
+    now = [0.0]
+    store = Store(tmp_path, fsync=False, max_segments=2, clock=lambda: now[0])
+    loop = asyncio.new_event_loop()
+    LOOPS[-1].append(loop)
+    store.loop = loop
+    store.where[("/", "q", records.mid(1, 2))] = 1 << log_mod.AT_BITS
+    store.segments = OrderedDict([(1, 5), (2, 0), (3, 0)])
+    store.enqueued = Counter({1: 100, 2: 1, 3: 1})
+    store.active = 3
+    store._compact()
+    timer = store.look_again
+    assert 1 in store.segments and timer is not None
+    assert timer.when() - loop.time() == pytest.approx(log_mod.CARRY_PATIENCE, abs=0.5)
+    now[0] = log_mod.CARRY_PATIENCE  # nothing written meanwhile
+    store._looked_again()  # what the timer calls
+    assert 1 not in store.segments and store.look_again is None
 
 
 def test_a_closed_store_writes_nothing_more_and_raises_nothing(tmp_path: Path) -> None:

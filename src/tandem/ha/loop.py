@@ -159,6 +159,7 @@ class Controller:
         while not stopped.is_set():
             try:
                 d = await self.turn()
+                self.unavailable = ("", 0.0, 0)  # a reason that comes back is said again
             except Unavailable as exc:
                 self._unavailable(str(exc))
                 d = None

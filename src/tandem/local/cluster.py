@@ -122,11 +122,13 @@ class LocalCluster:
         self.observer: FollowingObserver | None = None
         self.session: aiohttp.ClientSession | None = None
         self.gone: str | None = None  # why the cluster stopped on its own (_watch)
+        self.data_dir_id: tuple[int, int] | None = None  # the data dir it started with
 
     async def run(self, stop: asyncio.Event) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         lock = DataDirLock(self.data_dir)
         lock.acquire("cluster")  # a second `cluster up` on this data dir is refused
+        self.data_dir_id = _identity(self.data_dir)
         try:
             await self._run(stop)
         finally:
@@ -196,7 +198,7 @@ class LocalCluster:
         the election record went with it, so nothing confirmed from then on would survive a
         restart, and the front port (its socket was in there) can reach no member."""
         while not stop.is_set():
-            if not self.data_dir.is_dir():
+            if _identity(self.data_dir) != self.data_dir_id:  # gone, or made again since
                 self.gone = (
                     f"the cluster's data directory {self.data_dir} was deleted while the "
                     "cluster ran; its members' logs went with it: stopped"
@@ -386,6 +388,16 @@ def _bound_port(site: web.TCPSite, default: int) -> int:
     server = site._server
     sockets = getattr(server, "sockets", None) or []
     return int(sockets[0].getsockname()[1]) if sockets else default
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The directory's device and inode: a directory made again under the same name (a
+    member's restart makes its parents) is not the one the cluster started with."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 async def up(cluster: LocalCluster) -> None:

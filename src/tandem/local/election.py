@@ -28,7 +28,7 @@ class FileElectionStore:
 
     def _read(self) -> ElectionRecord:
         try:
-            text = self.path.read_text()
+            text = self.path.read_bytes()
         except FileNotFoundError:
             if not self.path.parent.is_dir():  # not a new cluster: a deleted one
                 raise self._gone() from None

@@ -106,7 +106,7 @@ class Supervisor:
         self.stopping = False
 
     async def start(self, proc: Proc) -> None:
-        proc.data_dir.mkdir(parents=True, exist_ok=True)
+        proc.data_dir.mkdir(exist_ok=True)  # not its parent: the cluster's, never made again
         cfg = {
             **self.base_config,
             "node_id": proc.node,

@@ -13,9 +13,10 @@ holds millions of entries (every live message, on a deep queue):
   collection, several a second, with 900,000 messages queued.
 
 `Shards` keeps SHARDS dicts, a key's by its hash: each grows on its own. Their shares of the
-keys differ, from 1 to 2 in steps of 2**(1/SHARDS): with even shares, message ids (consecutive
-offsets) filled every shard in step, and all of them doubled within the same few inserts, as
-long a pause as one dict's doubling (a backup, silent for a second, left the in-sync set).
+keys differ, from 1 to nearly 2 in steps of 2**(1/SHARDS): with even shares, message ids
+(consecutive offsets) filled every shard in step, and all of them doubled within the same few
+inserts, as long a pause as one dict's doubling (a backup, silent for a second, left the
+in-sync set).
 Skewed, the shards reach their doubling sizes one after another, about 1% of the whole apart.
 They are a dict subclass, which the collector never untracks: once old (and frozen,
 broker/collector.py) a shard stays so.

@@ -76,6 +76,7 @@ CARRY_BELOW = 8
 # 64 MiB segment read, scanned and carried "0 live messages" every seven seconds under a
 # saturated run, on every member).
 CARRY_PATIENCE = 2.0  # seconds
+CARRY_LIMIT = 30.0  # seconds: however slowly they are consumed, carried after this long
 CARRY_BYTES = 1 << 20  # of a segment carried forward in one turn of the loop
 CHECKPOINT_MAGIC = b"TANDEM-CHECKPOINT-1\n"
 
@@ -133,8 +134,10 @@ class Store:
         max_segments: int = 16,
         page_bytes: int = 0,
         checkpoint_records: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.dir = Path(data_dir) / "log"
+        self.clock = clock
         self.fsync = fsync
         self.segment_bytes = segment_bytes
         self.max_segments = max_segments
@@ -142,9 +145,10 @@ class Store:
         self.sequencer: Sequencer | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.carrying: _Carry | None = None  # a large segment being carried forward
-        # The oldest segment as compaction last saw it: its number, its live messages, and
-        # since when they have not fallen (CARRY_PATIENCE).
-        self.watched: tuple[int, int, float] = (-1, 0, 0.0)
+        # The oldest segment as compaction last saw it (_draining): its number, its live
+        # messages, since when they have not fallen, and since when it has been watched.
+        self.watched: tuple[int, int, float, float] = (-1, 0, 0.0, 0.0)
+        self.look_again: asyncio.TimerHandle | None = None  # compaction, once patience ends
         self.segments: collections.OrderedDict[int, int] = collections.OrderedDict()  # live
         self.active = 0  # number of the active segment
         self.active_size = 0
@@ -438,6 +442,7 @@ class Store:
             if self.segments[oldest] * CARRY_BELOW > self.enqueued[oldest]:
                 break  # mostly live still: consumers will empty it, copying it would not
             if self.segments[oldest] and self._draining(oldest):
+                self._look_again()
                 break  # its few live messages are being consumed: they go without a copy
             if not self.segments[oldest] and not self.marked:
                 self._carried(oldest)  # nothing live in it, and no requeued flag to keep
@@ -459,13 +464,27 @@ class Store:
             self.pending.deletes.append(seg)
 
     def _draining(self, seg: int) -> bool:
-        """True while segment `seg`'s live messages have fallen within CARRY_PATIENCE."""
-        live, now = self.segments[seg], time.monotonic()
-        watched_seg, watched_live, since = self.watched
-        if watched_seg != seg or live < watched_live:
-            self.watched = (seg, live, now)
+        """True while segment `seg`'s live messages are being consumed: their number fell
+        less than CARRY_PATIENCE ago (or it was first seen that recently), and it has been
+        watched for less than CARRY_LIMIT."""
+        live, now = self.segments[seg], self.clock()
+        watched_seg, watched_live, fell, first = self.watched
+        if watched_seg != seg:
+            self.watched = (seg, live, now, now)
             return True
-        return now - since < CARRY_PATIENCE
+        if live < watched_live:
+            self.watched = (seg, live, now, first)
+            return now - first < CARRY_LIMIT
+        return now - fell < CARRY_PATIENCE and now - first < CARRY_LIMIT
+
+    def _look_again(self) -> None:
+        """Compact again once the patience is over, whether or not anything is written."""
+        if self.look_again is None and self.loop is not None:
+            self.look_again = self.loop.call_later(CARRY_PATIENCE, self._looked_again)
+
+    def _looked_again(self) -> None:
+        self.look_again = None
+        self._compact()
 
     def _carried(self, seg: int) -> None:
         """A segment's live messages are written again: it goes once that is on disk."""
@@ -563,8 +582,8 @@ class Store:
 
     def _write_batch(self, batch: _Batch) -> float:
         with self.lock:
-            if batch.generation != self.generation:
-                return 0.0  # written for a log that was reset meanwhile
+            if batch.generation != self.generation or self.closed:
+                return 0.0  # written for a log that was reset meanwhile, or closed
             if batch.epochs:
                 self._write_epochs(batch.epochs)
             touched: dict[int, int] = {}
@@ -601,6 +620,8 @@ class Store:
                 os.fsync(f.fileno())
 
     def _written(self, batch: _Batch, fut: asyncio.Future[float]) -> None:
+        if self.closed:
+            return  # the node is stopping; what this batch waited for is not done
         exc = fut.exception()
         if exc is not None:
             if not isinstance(exc, OSError):
@@ -1153,6 +1174,8 @@ class Store:
         ):
             self.checkpoints_made += 1
             self._write_checkpoint(self._checkpoint_bytes(), self.checkpoints_made, self.generation)
+        if self.look_again is not None:
+            self.look_again.cancel()
         with self.lock:
             self.closed = True
             for fd in self.fds.values():
