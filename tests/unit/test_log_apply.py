@@ -434,4 +434,11 @@ def test_a_digest_names_exactly_the_ids_a_member_holds(
     assert parsed == {("/", "q"): {m for i, m in enumerate(mids) if i not in lacking}}
     runs = {"/": {"q": [[5, 7], [10, 10]]}}
     assert log_mod._parse_digest(runs) == {("/", "q"): {5, 6, 7, 10}}
-    assert log_mod._parse_digest({"/": {"q": [[1, "not base64!"]]}}) is None
+    for bad in (
+        [[1, "not base64!"]],
+        [[-1, "AAAAAAAAAAE="]],
+        [[2**32, ""]],
+        [[3, 2]],
+        [[1e309, 2]],
+    ):
+        assert log_mod._parse_digest({"/": {"q": bad}}) is None, bad

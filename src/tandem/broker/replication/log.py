@@ -173,15 +173,16 @@ class BrokerLog:
             for q in vh.queues.values():
                 if q.replicate != "all":
                     continue
-                ours: list[Message] = sorted([*q.messages, *q.outstanding.values()], key=_MID)
                 theirs_q = None if held is None else held.get((vh.name, q.name), set())
                 outstanding = q.outstanding
+                ours: list[Message] = [*q.messages, *outstanding.values()]
                 if theirs_q is not None:  # only what they lack or what carries a mark
                     ours = [
                         m
                         for m in ours
                         if m.mid not in theirs_q or m.redelivered or m.mid in outstanding
                     ]
+                ours.sort(key=_MID)
                 for m in ours:
                     e, o = _position_of(bounds, m.mid, epoch)
                     if theirs_q is None or m.mid not in theirs_q:
@@ -451,6 +452,7 @@ def _epoch_at(bounds: core.Boundaries, offset: int, default: int) -> int:
 
 _MID = operator.attrgetter("mid")
 _BIG = array.array("H", [1]).tobytes() == b"\x00\x01"
+_EPOCHS = 1 << 32  # a record's epoch is an unsigned 32-bit field (records.key)
 
 
 def _packed(mids: list[int]) -> list[list[Any]]:
@@ -460,7 +462,7 @@ def _packed(mids: list[int]) -> list[list[Any]]:
     while start < len(mids):
         epoch = records.mid_epoch(mids[start])
         end = bisect.bisect_left(mids, (epoch + 1) << records.OFFSET_BITS, start)
-        offsets = array.array("Q", [m & mask for m in itertools.islice(mids, start, end)])
+        offsets = array.array("Q", [m & mask for m in mids[start:end]])
         if not _BIG:
             offsets.byteswap()
         out.append([epoch, base64.b64encode(offsets).decode()])
@@ -481,13 +483,19 @@ def _parse_digest(theirs: Any) -> dict[tuple[str, str], set[int]] | None:
                 ids: set[int] = set()
                 for first, rest in held:
                     if isinstance(rest, str):  # an epoch and its offsets
+                        epoch = int(first)
+                        if not 0 <= epoch < _EPOCHS:
+                            return None
                         offsets = array.array("Q", base64.b64decode(rest, validate=True))
                         if not _BIG:
                             offsets.byteswap()
-                        ids.update(map(int(first).__lshift__(records.OFFSET_BITS).__or__, offsets))
+                        ids.update(map((epoch << records.OFFSET_BITS).__or__, offsets))
                     else:
-                        ids.update(range(int(first), int(rest) + 1))
+                        low, high = int(first), int(rest)
+                        if not 0 <= low <= high < _EPOCHS << records.OFFSET_BITS:
+                            return None
+                        ids.update(range(low, high + 1))
                 out[(str(vhost), str(queue))] = ids
-    except (AttributeError, TypeError, ValueError, binascii.Error):
+    except (AttributeError, TypeError, ValueError, OverflowError, binascii.Error):
         return None
     return out
