@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pika
@@ -40,6 +41,17 @@ def consume_all(broker: Broker, queue: str) -> list[bytes]:
 
 def numbers(bodies: list[bytes]) -> list[int]:
     return [int(b.rstrip(b".")) for b in bodies]
+
+
+def write_until_compacted(broker: Broker, done: Callable[[], bool]) -> None:
+    """Publish and consume one small message at a time until `done()`: compaction runs
+    after each write, and carries a segment once its live messages have stopped being
+    consumed for store.CARRY_PATIENCE."""
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline, broker.log()[-2000:]
+        publish_confirmed(broker, "flow", 1, size=10)
+        consume_all(broker, "flow")
 
 
 def test_durable_state_survives_restart(broker: Broker) -> None:
@@ -194,12 +206,7 @@ def test_compaction_carries_old_live_messages_forward(broker_factory) -> None:  
     for _ in range(8):
         publish_confirmed(broker, "flow", 200, size=1000)
         assert len(consume_all(broker, "flow")) == 200
-    # Carried once they have not been consumed for store.CARRY_PATIENCE; each write looks.
-    deadline = time.monotonic() + 30
-    while len(list((broker.data_dir / "log").glob("*.seg"))) > 17:
-        assert time.monotonic() < deadline, broker.log()[-2000:]
-        publish_confirmed(broker, "flow", 1, size=10)
-        consume_all(broker, "flow")
+    write_until_compacted(broker, lambda: len(list((broker.data_dir / "log").glob("*.seg"))) <= 17)
     broker.kill()
     broker.start()
     assert numbers(consume_all(broker, "stuck")) == [0, 1, 2]
@@ -218,11 +225,7 @@ def test_compaction_carries_a_requeued_messages_redelivered_flag_forward(broker_
     for _ in range(8):
         publish_confirmed(broker, "flow", 200, size=1000)
         assert len(consume_all(broker, "flow")) == 200
-    deadline = time.monotonic() + 30
-    while "compaction: carried 2 live messages" not in broker.log():
-        assert time.monotonic() < deadline, broker.log()[-2000:]
-        publish_confirmed(broker, "flow", 1, size=10)  # a write after which compaction runs
-        consume_all(broker, "flow")
+    write_until_compacted(broker, lambda: "compaction: carried 2 live messages" in broker.log())
     broker.kill()
     broker.start()
     conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
@@ -250,11 +253,8 @@ def test_a_segment_larger_than_a_turns_chunk_is_carried_over_several_turns(broke
     for _ in range(20):
         publish_confirmed(broker, "flow", 6, size=512 * 1024)
         assert len(consume_all(broker, "flow")) == 6
-    deadline = time.monotonic() + 30
-    while "compaction: carried 6 live messages out of segment" not in broker.log():
-        assert time.monotonic() < deadline, broker.log()[-2000:]
-        publish_confirmed(broker, "flow", 1, size=10)  # a write after which compaction runs
-        consume_all(broker, "flow")
+    carrying = "compaction: carried 6 live messages out of segment"
+    write_until_compacted(broker, lambda: carrying in broker.log())
     carried = r"carried 6 live messages out of segment \d+ \(\d+ bytes, in [2-9] turns\)"
     assert re.search(carried, broker.log())
     broker.kill()

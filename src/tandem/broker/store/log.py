@@ -715,8 +715,7 @@ class Store:
         loop = self.loop
 
         def write() -> None:
-            if not self.closed:  # close() writes its own
-                loop.run_in_executor(None, self._write_checkpoint, data, number, generation)
+            loop.run_in_executor(None, self._write_checkpoint, data, number, generation)
 
         self.when_synced(write)
 
