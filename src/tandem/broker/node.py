@@ -13,7 +13,6 @@ import signal
 import socket
 import ssl
 from collections.abc import Awaitable
-from pathlib import Path
 from typing import Any, TypeVar
 
 from tandem import errors
@@ -27,6 +26,7 @@ from tandem.broker.protocol import channel as channel_mod
 from tandem.broker.protocol import connection as conn_mod
 from tandem.broker.replication import member as member_mod
 from tandem.broker.status import NodeStatus, QueueStatus
+from tandem.broker.store.files import replace_file
 from tandem.broker.store.lock import DataDirLock
 from tandem.broker.store.log import Store
 
@@ -96,13 +96,6 @@ def _cluster_key(cfg: Config) -> bytes:
             "characters: set cluster_key_file or TANDEM_CLUSTER_KEY"
         )
     return key.encode()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never a half-written one."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class Node:
@@ -222,7 +215,7 @@ class Node:
             self.sequencer.define("", "auth", auth, True)
         if self._auth_file is None:
             return
-        _write_atomically(self._auth_file, json.dumps(auth, indent=1))
+        replace_file(self._auth_file, json.dumps(auth, indent=1))
 
     def delete_vhost(self, name: str) -> bool:
         for proto in list(self.connections):
@@ -607,4 +600,4 @@ class Node:
         print(line, flush=True)
         log.info("%s", line)
         if self.cfg.data_dir is not None:
-            _write_atomically(self.cfg.data_dir / "ports.json", json.dumps(ports))
+            replace_file(self.cfg.data_dir / "ports.json", json.dumps(ports))

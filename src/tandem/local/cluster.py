@@ -37,6 +37,7 @@ from tandem.broker.status import (
     MemberReport,
     ReplicationStatus,
 )
+from tandem.broker.store.files import replace_file
 from tandem.broker.store.lock import DataDirLock
 from tandem.errors import DataDirGone, StartError
 from tandem.ha import decide
@@ -223,7 +224,7 @@ class LocalCluster:
             "pid": os.getpid(),
             "members": {m.node: m.publish() for m in self.describe().members},
         }
-        (self.data_dir / "cluster.json").write_text(json.dumps(info))
+        replace_file(self.data_dir / "cluster.json", json.dumps(info))
         print(
             f"tandem cluster of {len(self.nodes)} ready: amqp://guest:guest@{self.front.host}:"
             f"{self.front.port}/ (front port)"

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
+from tandem.broker.store.files import replace_file
 from tandem.ha.model import ElectionRecord
 from tandem.ha.ports import Unavailable
 
@@ -72,12 +72,7 @@ class FileElectionStore:
                 if self._read().version != expected.version:
                     return None
                 stored = replace(new, version=expected.version + 1)
-                tmp = self.path.with_name("election.json.tmp")
-                with open(tmp, "w") as f:
-                    json.dump(stored.to_dict(), f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
+                replace_file(self.path, json.dumps(stored.to_dict()), durable=True)
                 return stored
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)

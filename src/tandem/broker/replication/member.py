@@ -37,6 +37,7 @@ from tandem.broker.model.journal import Sequencer
 from tandem.broker.replication import core, wire
 from tandem.broker.replication.log import BrokerLog
 from tandem.broker.status import MemberReport, ReplicationStatus
+from tandem.broker.store.files import replace_file
 from tandem.broker.store.log import Store
 from tandem.ha import fencing
 from tandem.ha.model import ElectionRecord, Role
@@ -97,12 +98,7 @@ class State:
         self.epoch, self.cluster = epoch, cluster
         if self.path is None:
             return
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"epoch": epoch, "cluster": cluster}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        replace_file(self.path, json.dumps({"epoch": epoch, "cluster": cluster}), durable=True)
 
 
 class Member:

@@ -61,6 +61,7 @@ from tandem.broker.model.message import Message
 from tandem.broker.model.queue import PAGE_BYTES, Queue
 from tandem.broker.model.records import Corruption
 from tandem.broker.model.shards import Shards
+from tandem.broker.store.files import replace_file
 
 log = logging.getLogger(__name__)
 
@@ -767,14 +768,7 @@ class Store:
         with self.lock:
             if generation != self.generation or number <= self.checkpoint_written:
                 return  # the log was reset since, or a newer checkpoint is written already
-            path = self.dir / "checkpoint"
-            tmp = path.with_name("checkpoint.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
+            replace_file(self.dir / "checkpoint", data, durable=self.fsync)
             self.checkpoint_written = number
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
@@ -1155,10 +1149,7 @@ class Store:
         return out
 
     def _rewrite_epochs(self, boundaries: list[tuple[int, int]]) -> None:
-        path = self.dir / "epochs"
-        tmp = path.with_name("epochs.tmp")
-        tmp.write_text("".join(f"{e} {o}\n" for e, o in boundaries))
-        os.replace(tmp, path)
+        replace_file(self.dir / "epochs", "".join(f"{e} {o}\n" for e, o in boundaries))
 
     def close(self) -> None:
         """Stop; a last checkpoint if anything changed since one and all of it is on disk
