@@ -293,6 +293,13 @@ async def receive_sockets(
             os.unlink(path)
 
 
+def _wake(ready: asyncio.Future[None]) -> None:
+    """The front's socket is readable. At stop the wait may be cancelled with this call
+    already on its way; it used to log InvalidStateError as an error in a callback."""
+    if not ready.done():
+        ready.set_result(None)
+
+
 async def _handoffs(
     conn: socket.socket, adopt_one: Callable[[socket.socket, bool], Awaitable[None]]
 ) -> None:
@@ -304,7 +311,7 @@ async def _handoffs(
                 msg, fds, _flags, _addr = socket.recv_fds(conn, 64, 64)
             except BlockingIOError:
                 ready = loop.create_future()
-                loop.add_reader(conn.fileno(), ready.set_result, None)
+                loop.add_reader(conn.fileno(), _wake, ready)
                 try:
                     await ready
                 finally:
