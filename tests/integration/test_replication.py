@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -463,6 +464,39 @@ def test_a_follower_that_stops_reading_is_cut_off(cluster: Cluster) -> None:
             ch.basic_publish("", "big", body, pika.BasicProperties(delivery_mode=2))
         conn.close()
         assert "member slow is" in a.log() and "disconnecting it" in a.log()
+
+
+def test_a_member_that_lost_its_store_takes_a_copy_larger_than_the_slow_limit(
+    cluster: Cluster,
+) -> None:
+    """A copy is as large as the queues, and its bytes on the wire say nothing of how fast
+    the follower reads: a member that lost its store (a new disk, a member added) takes a
+    90 MB copy whole. It was cut off at 64 MiB unsent, again at every Hello, for ever."""
+    a = cluster.add("a", isr_min=1)
+    cluster.promote("a", 1, ["a"])
+    conn = pika.BlockingConnection(pika.URLParameters(a.url()))
+    ch = conn.channel()
+    ch.queue_declare("big", durable=True)
+    ch.confirm_delivery()
+    for i in range(900):  # 90 MB, beyond the primary's window of 64 MiB: a copy
+        ch.basic_publish(
+            "", "big", b"%06d" % i + b"x" * 100_000, pika.BasicProperties(delivery_mode=2)
+        )
+    conn.close()
+    b = cluster.add("b", isr_min=1)
+    cluster.follow("b", "a", 1)
+    deadline = time.monotonic() + 60
+    while "took the difference from the primary" not in b.log():
+        assert time.monotonic() < deadline, b.log()
+        assert "disconnecting it" not in a.log(), a.log()
+        time.sleep(0.1)  # polling interval while the copy travels
+    assert b.queue("big")["depth"] == 900 and b.status()["whole"] is True
+    cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a", "b"])})
+    publish(a, "big", 1)  # confirmed once b acks, which it does once the copy is on its disk
+    assert "disconnecting it" not in a.log()
+    b.kill()
+    b.start()
+    assert b.queue("big")["depth"] == 901
 
 
 def test_a_stale_primarys_messages_never_pass_for_the_new_primarys_at_the_same_offset(

@@ -442,3 +442,39 @@ def test_a_digest_names_exactly_the_ids_a_member_holds(
         [[1e309, 2]],
     ):
         assert log_mod._parse_digest({"/": {"q": bad}}) is None, bad
+
+
+def test_a_copy_is_of_the_state_when_it_was_asked_for_whenever_its_frames_are_made() -> None:
+    """A member makes a copy's frames on another thread while its primary goes on serving
+    (`Copy`): what was published, consumed or acked after the copy was asked for is not
+    in it (the Appends after it carry that), and what was delivered then is marked."""
+    from tandem.broker.replication.log import BrokerLog
+
+    b, seq, _disk, _wire, _now = primary()
+    q, _ = b.vhost("/").declare_queue("q", durable=True)
+    for n in range(10):
+        q.enqueue(msg(True, n))
+    delivered = [q.get(), q.get()]
+    assert all(m is not None for m in delivered)
+    primary_log = BrokerLog(b, seq, None)
+    whole, difference = primary_log.snapshot(), primary_log.snapshot({"/": {"q": []}})
+    end, bounds = primary_log.end, primary_log.boundaries()
+    held = [m.mid for m in q.messages] + [m.mid for m in delivered if m is not None]
+    for n in range(10, 15):  # the primary goes on
+        q.enqueue(msg(True, n))
+    for _ in range(3):
+        got = q.get()
+        assert got is not None
+        q.settle(got)
+    for copy in (whole, difference):
+        seq2 = Sequencer()
+        b2 = Broker(seq2)
+        b2.add_vhost("/")
+        backup_log = BrokerLog(b2, seq2, None)
+        backup_log.install(bounds, end, copy.frames())
+        q2 = b2.vhost("/").queues["q"]
+        assert sorted(m.mid for m in q2.messages) == sorted(held)
+        assert {m.mid for m in q2.messages if m.redelivered} == {
+            m.mid for m in delivered if m is not None
+        }
+        assert backup_log.end == end

@@ -20,7 +20,7 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tandem.broker.model import apply, definitions, records
@@ -72,6 +72,8 @@ class BrokerLog:
         # copy from the primary replaces it: /status, /metrics, and the controller's reason.
         self.diverged: str | None = None
         self.said: set[str] = set()  # the failures already logged
+        self.installed = 0  # copies taken: with `end`, what names the state a digest is of
+        self.digested: tuple[tuple[int, int], dict[str, dict[str, list[list[Any]]]]] | None = None
 
     # -- what the protocol reads --
 
@@ -130,21 +132,25 @@ class BrokerLog:
         million messages, made, sent and read in a fraction of the time [first, last] runs
         of consecutive ids took (a queue's ids are rarely consecutive), on the primary's loop
         among others (docs/performance.md)."""
+        state = (self.end, self.installed)
+        if self.digested is not None and self.digested[0] == state:
+            return self.digested[1]  # a Hello repeated while the follower waits for its copy
         out: dict[str, dict[str, list[list[Any]]]] = {}
         for vh in self.broker.vhosts.values():
             for q in vh.queues.values():
                 if q.replicate == "all":
                     out.setdefault(vh.name, {})[q.name] = _packed(sorted(map(_MID, q.messages)))
+        self.digested = (state, out)
         return out
 
-    def snapshot(self, theirs: Any = None) -> list[bytes]:
-        """A copy of the replicated state at `end`, as frames: all of it, or, given a
-        follower's digest, the definitions and what differs from what it holds."""
-        held = _parse_digest(theirs)
+    def snapshot(self, theirs: Any = None) -> Copy:
+        """A copy of the replicated state at `end`: all of it, or, given a follower's digest,
+        the definitions and what differs from what it holds. What it copies is captured
+        now, in a few C-speed copies of each queue's messages; its frames are made when it
+        is iterated, which the member does on another thread (`Copy`)."""
         sequencer = self.sequencer
         epoch = self.last_epoch
-        out = [] if held is None else [records.frame(records.DEFINE, epoch, self.end, DIFF, False)]
-        out += [
+        head = [
             records.frame(
                 records.SNAPSHOT,
                 epoch,
@@ -153,51 +159,26 @@ class BrokerLog:
             )
         ]
         auth = records.define("", "auth", definitions.export_auth(self.broker))
-        out.append(records.frame(records.DEFINE, epoch, self.end, auth, False))
-        bounds = tuple(sequencer.boundaries)
-
+        head.append(records.frame(records.DEFINE, epoch, self.end, auth, False))
+        queues: list[_Captured] = []
         for vh in self.broker.vhosts.values():
             for ex in vh.exchanges.values():
                 if not ex.durable and ex.name:
                     body = records.define(vh.name, "exchange.declare", vh.exchange_body(ex))
-                    out.append(records.frame(records.DEFINE, epoch, self.end, body, False))
+                    head.append(records.frame(records.DEFINE, epoch, self.end, body, False))
             for q in vh.queues.values():
                 if not q.durable and q.replicate != "none":
                     body = records.define(vh.name, "queue.declare", vh.queue_body(q))
-                    out.append(records.frame(records.DEFINE, epoch, self.end, body, False))
+                    head.append(records.frame(records.DEFINE, epoch, self.end, body, False))
             for b in vh.bindings():
                 durable = b.source.durable and b.destination.durable
                 if not durable and vhost_mod.replicated(b):
                     body = records.define(vh.name, "bind", vh.binding_body(b))
-                    out.append(records.frame(records.DEFINE, epoch, self.end, body, False))
+                    head.append(records.frame(records.DEFINE, epoch, self.end, body, False))
             for q in vh.queues.values():
-                if q.replicate != "all":
-                    continue
-                theirs_q = None if held is None else held.get((vh.name, q.name), set())
-                outstanding = q.outstanding
-                ours: list[Message] = [*q.messages, *outstanding.values()]
-                if theirs_q is not None:  # only what they lack or what carries a mark
-                    ours = [
-                        m
-                        for m in ours
-                        if m.mid not in theirs_q or m.redelivered or m.mid in outstanding
-                    ]
-                ours.sort(key=_MID)
-                for m in ours:
-                    e, o = _position_of(bounds, m.mid, epoch)
-                    if theirs_q is None or m.mid not in theirs_q:
-                        durable = m.persistent and q.durable
-                        payload = records.enqueue(vh.name, q.name, m)
-                        out.append(records.frame(records.ENQUEUE, e, o, payload, durable))
-                    if m.redelivered or m.mid in outstanding:
-                        key = records.key(vh.name, q.name, m.mid)
-                        out.append(records.frame(records.MARK, e, o, key, False))
-                if theirs_q:
-                    gone = theirs_q.difference(map(_MID, q.messages), outstanding)
-                    for mid in sorted(gone):  # consumed since the follower's log ends
-                        key = records.key(vh.name, q.name, mid)
-                        out.append(records.frame(records.DEQUEUE, epoch, self.end, key, q.durable))
-        return out
+                if q.replicate == "all":
+                    queues.append((vh.name, q.name, q.durable, [*q.messages], dict(q.outstanding)))
+        return Copy(head, queues, theirs, tuple(sequencer.boundaries), epoch, self.end)
 
     # -- what the protocol writes (on a backup) --
 
@@ -336,6 +317,7 @@ class BrokerLog:
         """Take the primary's copy (made at `end`): the difference from what this member
         holds (its log is a prefix of the primary's), or everything."""
         frames: list[bytes] = list(snapshot)
+        self.installed += 1
         self.lost = False  # unless a record of the copy does not apply
         self.diverged = None
         if frames and records.payload(frames[0]) == DIFF:
@@ -431,6 +413,69 @@ class BrokerLog:
         log.info(
             "took a full copy from the primary: %d records up to offset %d", len(snapshot), end
         )
+
+
+# A queue as a copy captures it: vhost, name, durable, its messages, those delivered.
+_Captured = tuple[str, str, bool, list[Message], dict[int, Message]]
+
+
+class Copy:
+    """A copy of the primary's replicated state at one offset, as frames once iterated.
+
+    `BrokerLog.snapshot` captures, on the loop, what the copy is of: the definitions as
+    frames, and each queue's messages and delivered messages in lists of their own. Making
+    the frames (reading the follower's digest, sorting, encoding a million messages) then
+    needs nothing the loop changes, so the member does it on another thread while the
+    primary goes on serving: a copy of a deep queue took the loop seconds, long enough for
+    the controller to fail the primary over, again at every copy (docs/failover.md). Each
+    message's frame is made from the message itself, so a mark set after the capture may
+    be in the copy as well as in the Append that follows it; marks are idempotent."""
+
+    def __init__(
+        self,
+        head: list[bytes],
+        queues: list[_Captured],
+        theirs: Any,
+        bounds: core.Boundaries,
+        epoch: int,
+        end: int,
+    ) -> None:
+        self.head, self.queues, self.theirs = head, queues, theirs
+        self.bounds, self.epoch, self.end = bounds, epoch, end
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.frames())
+
+    def frames(self) -> list[bytes]:
+        held = _parse_digest(self.theirs)
+        epoch, end, bounds = self.epoch, self.end, self.bounds
+        out = [] if held is None else [records.frame(records.DEFINE, epoch, end, DIFF, False)]
+        out += self.head
+        for vhost, queue, durable_q, messages, outstanding in self.queues:
+            theirs_q = None if held is None else held.get((vhost, queue), set())
+            ours = messages + list(outstanding.values())
+            if theirs_q is not None:  # only what they lack or what carries a mark
+                ours = [
+                    m
+                    for m in ours
+                    if m.mid not in theirs_q or m.redelivered or m.mid in outstanding
+                ]
+            ours.sort(key=_MID)
+            for m in ours:
+                e, o = _position_of(bounds, m.mid, epoch)
+                if theirs_q is None or m.mid not in theirs_q:
+                    durable = m.persistent and durable_q
+                    payload = records.enqueue(vhost, queue, m)
+                    out.append(records.frame(records.ENQUEUE, e, o, payload, durable))
+                if m.redelivered or m.mid in outstanding:
+                    key = records.key(vhost, queue, m.mid)
+                    out.append(records.frame(records.MARK, e, o, key, False))
+            if theirs_q:
+                gone = theirs_q.difference(map(_MID, messages), outstanding)
+                for mid in sorted(gone):  # consumed since the follower's log ends
+                    key = records.key(vhost, queue, mid)
+                    out.append(records.frame(records.DEQUEUE, epoch, end, key, durable_q))
+        return out
 
 
 def _position_of(bounds: core.Boundaries, message_id: int, default: int) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ from tandem.broker.model import apply
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.replication import core, wire
-from tandem.broker.replication.log import BrokerLog
+from tandem.broker.replication.log import BrokerLog, Copy
 from tandem.broker.status import MemberReport, ReplicationStatus
 from tandem.broker.store.files import replace_file
 from tandem.broker.store.log import Store
@@ -145,6 +146,11 @@ class Member:
         self.pending_start = 0
         self.flush_scheduled = False
         self.ack: tuple[str, core.Ack] | None = None
+        # Followers whose copy is being made on another thread: what else goes to them
+        # meanwhile is held here and sent after it, in the order the core meant.
+        self.copying: dict[str, tuple[core.Session, list[bytes]]] = {}
+        # Bytes of a copy on its way to a follower: not a sign that it is slow, until it acks.
+        self.copy_bytes: dict[str, int] = {}
         self.ack_scheduled = False
         self.refused: str | None = None  # why this member cannot join its primary
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -319,7 +325,52 @@ class Member:
                     self.ack_scheduled = True
                     self.store.when_synced(self._send_ack)
                 continue
+            if isinstance(msg, core.Sync) and isinstance(msg.full, Copy):
+                self._send_copy(dest, msg)
+                continue
             self._write(dest, wire.encode(msg))
+
+    def _send_copy(self, dest: str, sync: core.Sync) -> None:
+        """Make a copy's frames and its message on another thread: with millions of
+        messages queued that takes seconds, and the loop goes on serving meanwhile."""
+        assert self.loop is not None
+        making = self.copying.get(dest)
+        if making is not None and making[0] == sync.session:
+            return  # the follower repeated its Hello while its copy is being made
+        held: list[bytes] = []
+        self.copying[dest] = (sync.session, held)  # one for an earlier Hello is dropped
+        made = self.loop.run_in_executor(None, wire.encode, sync)
+        made.add_done_callback(functools.partial(self._copied, dest, sync, held))
+
+    def _copied(
+        self, dest: str, sync: core.Sync, held: list[bytes], made: asyncio.Future[bytes]
+    ) -> None:
+        making = self.copying.get(dest)
+        if making is None or making[1] is not held:
+            return  # the follower went, or said Hello again: a later copy answers it
+        del self.copying[dest]
+        if made.cancelled():
+            return
+        if made.exception() is not None:
+            log.error("node %s: the copy for %s failed", self.node, dest, exc_info=made.exception())
+            return  # as if lost: the follower says Hello again
+        if self.replica.role is not Role.PRIMARY or self.replica.epoch != sync.epoch:
+            return  # no longer this primary's to send
+        data = made.result()
+        if len(data) > wire.MAX_MESSAGE:
+            log.error(
+                "node %s: the copy for %s is %d bytes, more than a replication message may "
+                "hold (%d): it cannot join until the replicated queues hold less",
+                self.node,
+                dest,
+                len(data),
+                wire.MAX_MESSAGE,
+            )
+            return
+        self.copy_bytes[dest] = len(data)
+        self._write(dest, data)
+        for data in held:
+            self._write(dest, data)
 
     def _send_ack(self) -> None:
         self.ack_scheduled = False
@@ -329,12 +380,16 @@ class Member:
             self._write(dest, wire.encode(msg))
 
     def _write(self, dest: str, data: bytes) -> None:
+        making = self.copying.get(dest)
+        if making is not None:
+            making[1].append(data)  # after the copy on its way
+            return
         writer = self.upstream if dest == self.replica.following else self.peers.get(dest)
         if writer is None or writer.is_closing():
             return  # as if lost: the core's retries and rejoins cover it
         writer.write(data)
         unsent = writer.transport.get_write_buffer_size()
-        if unsent > SLOW_BYTES and dest in self.peers:
+        if unsent > SLOW_BYTES + self.copy_bytes.get(dest, 0) and dest in self.peers:
             log.warning(
                 "node %s: member %s is %d bytes behind on the wire; disconnecting it (it "
                 "catches up when it returns)",
@@ -357,6 +412,8 @@ class Member:
         ):
             age = self.log.age(msg.offset - 1)  # since the newest record it acks was shipped
             self.rtt = age if not self.rtt else 0.9 * self.rtt + 0.1 * age
+        if isinstance(msg, core.Ack):
+            self.copy_bytes.pop(msg.sender, None)  # a follower acks once it took its copy
         outs = self.replica.peer(msg)
         self._after(before)
         self._send(outs)
@@ -427,6 +484,7 @@ class Member:
             old = self.peers.get(peer)
             if old is not None:
                 old.close()
+            self._forget(peer)
             self.peers[peer] = writer
             log.info("node %s: member %s connected for replication", self.node, peer)
             while True:
@@ -441,10 +499,16 @@ class Member:
         finally:
             if self.peers.get(peer) is writer:
                 del self.peers[peer]
+                self._forget(peer)
                 before = (self.replica.role, self.replica.epoch)
                 self.replica.disconnected(peer)
                 self._after(before)
             writer.close()
+
+    def _forget(self, peer: str) -> None:
+        """A follower's connection ended: a copy being made for it is not sent."""
+        self.copying.pop(peer, None)
+        self.copy_bytes.pop(peer, None)
 
     def _check_answer(self, kind: int, answer: dict[str, Any], nonce: str) -> str | None:
         if kind != wire.ANSWER:
