@@ -478,3 +478,22 @@ def test_a_copy_is_of_the_state_when_it_was_asked_for_whenever_its_frames_are_ma
             m.mid for m in delivered if m is not None
         }
         assert backup_log.end == end
+
+
+@given(mids=st.lists(st.integers(0, 2**40), unique=True, max_size=40))
+def test_a_copy_orders_and_reads_a_slice_at_a_time_as_all_at_once(mids: list[int]) -> None:
+    """A copy is made on another thread a slice at a time (`_SLICE`, small here), so as not
+    to hold the loop; the slices give what one call over everything gives."""
+    from unittest import mock
+
+    from tandem.broker.replication import log as log_mod
+
+    messages = []
+    for mid in mids:
+        m = Message("", "q", message.encode_route("", "q"), b"\x00\x00", b"", 0)
+        m.mid = mid
+        messages.append(m)
+    with mock.patch.object(log_mod, "_SLICE", 3):
+        assert [m.mid for m in log_mod._by_mid(messages)] == sorted(mids)
+        digest = {"/": {"q": log_mod._packed(sorted(mids))}}
+        assert log_mod._parse_digest(digest) == {("/", "q"): set(mids)}

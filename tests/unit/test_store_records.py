@@ -77,6 +77,23 @@ def test_a_replicated_frame_that_does_not_check_out_ends_the_link(damage: str) -
         wire.decode(wire.encode(core.Append("p", 1, 1, (a, bytes(b)))))
 
 
+@pytest.mark.parametrize("count", [0, 1, 5, 6, 7])
+def test_a_copy_written_in_parts_reads_as_one_sync(count: int) -> None:
+    """A copy goes out as parts of a few frames each (`PART_FRAMES`, 3 here), so that
+    joining a million frames does not hold the primary's loop; the follower reads one Sync."""
+    from unittest import mock
+
+    from tandem.broker.replication import core, wire
+
+    frames = [records.frame(records.DEFINE, 1, n, b"copy %d" % n) for n in range(1, count + 1)]
+    sync = core.Sync("p", 2, (7, 1), 0, (), frames, ((1, 1), (2, 4)), count)
+    with mock.patch.object(wire, "PART_FRAMES", 3):
+        parts = wire.encode_parts(sync)
+    assert len(parts) == 1 + -(-count // 3)
+    assert b"".join(parts) == wire.encode(sync)
+    assert wire.decode(b"".join(parts)) == sync
+
+
 def test_recovery_drops_a_transaction_a_crash_cut_short(tmp_path: Path) -> None:
     """A group whose last record never reached the disk did not happen: recovery applies
     none of it and cuts it off, so that later records cannot complete it."""

@@ -339,11 +339,11 @@ class Member:
             return  # the follower repeated its Hello while its copy is being made
         held: list[bytes] = []
         self.copying[dest] = (sync.session, held)  # one for an earlier Hello is dropped
-        made = self.loop.run_in_executor(None, wire.encode, sync)
+        made = self.loop.run_in_executor(None, wire.encode_parts, sync)
         made.add_done_callback(functools.partial(self._copied, dest, sync, held))
 
     def _copied(
-        self, dest: str, sync: core.Sync, held: list[bytes], made: asyncio.Future[bytes]
+        self, dest: str, sync: core.Sync, held: list[bytes], made: asyncio.Future[list[bytes]]
     ) -> None:
         making = self.copying.get(dest)
         if making is None or making[1] is not held:
@@ -356,19 +356,21 @@ class Member:
             return  # as if lost: the follower says Hello again
         if self.replica.role is not Role.PRIMARY or self.replica.epoch != sync.epoch:
             return  # no longer this primary's to send
-        data = made.result()
-        if len(data) > wire.MAX_MESSAGE:
+        parts = made.result()
+        size = sum(map(len, parts))
+        if size > wire.MAX_MESSAGE:
             log.error(
                 "node %s: the copy for %s is %d bytes, more than a replication message may "
                 "hold (%d): it cannot join until the replicated queues hold less",
                 self.node,
                 dest,
-                len(data),
+                size,
                 wire.MAX_MESSAGE,
             )
             return
-        self.copy_bytes[dest] = len(data)
-        self._write(dest, data)
+        self.copy_bytes[dest] = size
+        for data in parts:
+            self._write(dest, data)
         for data in held:
             self._write(dest, data)
 

@@ -24,6 +24,7 @@ from tandem.broker.replication import core
 VERSION = 1
 HEAD = struct.Struct(">IBI")  # total length after this u32, kind, header length
 MAX_MESSAGE = 1 << 30
+PART_FRAMES = 1 << 16  # frames joined at a time into a part of a message (pack_parts)
 
 HELLO, SYNC, APPEND, ACK, REJOIN, STALE = 1, 2, 3, 4, 5, 6
 CHALLENGE, ANSWER, WELCOME, REFUSE = 10, 11, 12, 13
@@ -48,7 +49,27 @@ def pack(kind: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> byt
     return HEAD.pack(1 + 4 + len(head) + len(body), kind, len(head)) + head + body
 
 
+def pack_parts(kind: int, header: dict[str, Any], frames: Sequence[bytes]) -> list[bytes]:
+    """`pack` as a list of parts to write one after another, each at most `PART_FRAMES`
+    frames: a copy of millions of frames is made on another thread, which lets the loop run
+    only between bytecodes, and one join of 160 MB held it a fifth of a second."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    parts = [b"".join(frames[at : at + PART_FRAMES]) for at in range(0, len(frames), PART_FRAMES)]
+    size = sum(map(len, parts))
+    return [HEAD.pack(1 + 4 + len(head) + size, kind, len(head)) + head, *parts]
+
+
 def encode(msg: core.PeerMessage) -> bytes:
+    return pack(*_fields(msg))
+
+
+def encode_parts(msg: core.PeerMessage) -> list[bytes]:
+    """`encode` as parts (`pack_parts`), for a Sync with a copy made on another thread."""
+    kind, header, frames = _fields(msg)
+    return pack_parts(kind, header, list(frames))
+
+
+def _fields(msg: core.PeerMessage) -> tuple[int, dict[str, Any], Sequence[bytes]]:
     kind = _KINDS[type(msg)]
     h: dict[str, Any] = {"sender": msg.sender, "epoch": msg.epoch}
     frames: Sequence[bytes] = ()
@@ -73,7 +94,7 @@ def encode(msg: core.PeerMessage) -> bytes:
         frames = msg.entries
     elif isinstance(msg, core.Ack):
         h.update(session=list(msg.session), offset=msg.offset)
-    return pack(kind, h, frames)
+    return kind, h, frames
 
 
 def split(data: bytes) -> tuple[int, int] | None:
