@@ -77,21 +77,41 @@ def test_a_replicated_frame_that_does_not_check_out_ends_the_link(damage: str) -
         wire.decode(wire.encode(core.Append("p", 1, 1, (a, bytes(b)))))
 
 
-@pytest.mark.parametrize("count", [0, 1, 5, 6, 7])
-def test_a_copy_written_in_parts_reads_as_one_sync(count: int) -> None:
-    """A copy goes out as parts of a few frames each (`PART_FRAMES`, 3 here), so that
-    joining a million frames does not hold the primary's loop; the follower reads one Sync."""
+@pytest.mark.parametrize("count", [0, 1, 5, 6, 7, 40])
+def test_a_copy_goes_in_messages_a_receiver_takes_and_reads_as_one_sync(count: int) -> None:
+    """A copy is joined a piece at a time (`PIECE_BYTES`) and sent as SYNC_PART messages of
+    at most `COPY_MESSAGE` bytes of frames, then the SYNC (both small here): a follower
+    reads the Sync whole; a member that does not know SYNC_PART refuses it, never taking
+    part of a copy for all of it; parts of an abandoned copy are not taken into another."""
     from unittest import mock
 
     from tandem.broker.replication import core, wire
 
-    frames = [records.frame(records.DEFINE, 1, n, b"copy %d" % n) for n in range(1, count + 1)]
+    frames = [records.frame(records.DEFINE, 1, n, b"copy %03d" % n) for n in range(1, count + 1)]
+    size = len(frames[0]) if frames else 0
     sync = core.Sync("p", 2, (7, 1), 0, (), frames, ((1, 1), (2, 4)), count)
-    with mock.patch.object(wire, "PART_FRAMES", 3):
-        parts = wire.encode_parts(sync)
-    assert len(parts) == 1 + -(-count // 3)
-    assert b"".join(parts) == wire.encode(sync)
-    assert wire.decode(b"".join(parts)) == sync
+    with (
+        mock.patch.object(wire, "PIECE_BYTES", 2 * size),
+        mock.patch.object(wire, "COPY_MESSAGE", 4 * size),
+    ):
+        data = b"".join(wire.encode_parts(sync))
+    messages = []
+    while data:
+        split = wire.split(data)
+        assert split is not None
+        messages.append(data[: split[1]])
+        data = data[split[1] :]
+    assert len(messages) == max(1, -(-count // 4))  # pieces of 2 frames, 2 pieces a message
+    upstream = wire.Upstream()
+    assert [upstream.take(m) for m in messages] == [None] * (len(messages) - 1) + [sync]
+    if len(messages) > 1:
+        with pytest.raises(wire.WireError, match="unknown message kind"):
+            wire.decode(messages[0])
+        other = core.Sync("p", 2, (7, 2), 0, (), frames[:1], ((1, 1),), 1)
+        assert upstream.take(messages[0]) is None  # the first part of a copy given up
+        assert upstream.take(wire.encode(other)) == other
+    else:
+        assert wire.decode(messages[0]) == sync
 
 
 def test_recovery_drops_a_transaction_a_crash_cut_short(tmp_path: Path) -> None:

@@ -357,18 +357,7 @@ class Member:
         if self.replica.role is not Role.PRIMARY or self.replica.epoch != sync.epoch:
             return  # no longer this primary's to send
         parts = made.result()
-        size = sum(map(len, parts))
-        if size > wire.MAX_MESSAGE:
-            log.error(
-                "node %s: the copy for %s is %d bytes, more than a replication message may "
-                "hold (%d): it cannot join until the replicated queues hold less",
-                self.node,
-                dest,
-                size,
-                wire.MAX_MESSAGE,
-            )
-            return
-        self.copy_bytes[dest] = size
+        self.copy_bytes[dest] = sum(map(len, parts))
         for data in parts:
             self._write(dest, data)
         for data in held:
@@ -607,9 +596,11 @@ class Member:
             self.refused = None
             log.info("node %s: replicating from %s at %s:%d", self.node, primary, host, port)
             self._control(core.Follow(primary, self.replica.epoch))  # a fresh Hello
+            upstream = wire.Upstream()
             while True:
-                data = await _read_raw(reader)
-                self.on_peer(wire.decode(data))
+                msg = upstream.take(await _read_raw(reader))
+                if msg is not None:
+                    self.on_peer(msg)
         finally:
             writer.close()
 

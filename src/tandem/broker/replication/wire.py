@@ -3,7 +3,10 @@
     length u32 | kind u8 | header length u32 | header (JSON) | record frames
 
 The header holds a message's fields; entries (and a full copy) are record frames, sent as
-they are on disk, one after another (each frame says its own length). Before any peer
+they are on disk, one after another (each frame says its own length). A copy larger than
+`COPY_MESSAGE` goes as SYNC_PART messages, each with some of its frames, then the SYNC with
+the rest: no message need be larger than a receiver takes (`MAX_MESSAGE`), and a receiver
+that does not know SYNC_PART refuses it rather than installing part of a copy. Before any peer
 message, the two ends authenticate: the listener sends a challenge with its protocol
 version and cluster, the member that connects answers with an HMAC of the challenge under
 the cluster key, and the listener welcomes or refuses it with a reason.
@@ -11,6 +14,7 @@ the cluster key, and the listener welcomes or refuses it with a reason.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -24,9 +28,10 @@ from tandem.broker.replication import core
 VERSION = 1
 HEAD = struct.Struct(">IBI")  # total length after this u32, kind, header length
 MAX_MESSAGE = 1 << 30
-PART_FRAMES = 1 << 16  # frames joined at a time into a part of a message (pack_parts)
+PIECE_BYTES = 4 << 20  # frames joined at a time into a piece of a copy (encode_parts)
+COPY_MESSAGE = 256 << 20  # frames' bytes in one message of a copy
 
-HELLO, SYNC, APPEND, ACK, REJOIN, STALE = 1, 2, 3, 4, 5, 6
+HELLO, SYNC, APPEND, ACK, REJOIN, STALE, SYNC_PART = 1, 2, 3, 4, 5, 6, 7
 CHALLENGE, ANSWER, WELCOME, REFUSE = 10, 11, 12, 13
 
 _KINDS: dict[type, int] = {
@@ -49,24 +54,44 @@ def pack(kind: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> byt
     return HEAD.pack(1 + 4 + len(head) + len(body), kind, len(head)) + head + body
 
 
-def pack_parts(kind: int, header: dict[str, Any], frames: Sequence[bytes]) -> list[bytes]:
-    """`pack` as a list of parts to write one after another, each at most `PART_FRAMES`
-    frames: a copy of millions of frames is made on another thread, which lets the loop run
-    only between bytecodes, and one join of 160 MB held it a fifth of a second."""
-    head = json.dumps(header, separators=(",", ":")).encode()
-    parts = [b"".join(frames[at : at + PART_FRAMES]) for at in range(0, len(frames), PART_FRAMES)]
-    size = sum(map(len, parts))
-    return [HEAD.pack(1 + 4 + len(head) + size, kind, len(head)) + head, *parts]
-
-
 def encode(msg: core.PeerMessage) -> bytes:
     return pack(*_fields(msg))
 
 
-def encode_parts(msg: core.PeerMessage) -> list[bytes]:
-    """`encode` as parts (`pack_parts`), for a Sync with a copy made on another thread."""
+def encode_parts(msg: core.Sync) -> list[bytes]:
+    """A Sync, with a copy made on another thread, as bytes to write one after another: one
+    or more messages (SYNC_PART ..., SYNC), their frames joined a piece at a time. The
+    thread lets the loop run only between bytecodes, and one join of 160 MB held it a fifth
+    of a second."""
     kind, header, frames = _fields(msg)
-    return pack_parts(kind, header, list(frames))
+    pieces: list[bytes] = []
+    piece: list[bytes] = []
+    size = 0
+    for frame in frames:
+        piece.append(frame)
+        size += len(frame)
+        if size >= PIECE_BYTES:
+            pieces.append(b"".join(piece))
+            piece, size = [], 0
+    if piece:
+        pieces.append(b"".join(piece))
+    messages: list[list[bytes]] = [[]]
+    size = 0
+    for piece_bytes in pieces:
+        if messages[-1] and size + len(piece_bytes) > COPY_MESSAGE:
+            messages.append([])
+            size = 0
+        messages[-1].append(piece_bytes)
+        size += len(piece_bytes)
+    out: list[bytes] = []
+    part = {"sender": msg.sender, "epoch": msg.epoch, "session": list(msg.session)}
+    for n, body in enumerate(messages, 1):
+        last = n == len(messages)
+        head = json.dumps(header if last else part, separators=(",", ":")).encode()
+        length = 1 + 4 + len(head) + sum(map(len, body))
+        out.append(HEAD.pack(length, kind if last else SYNC_PART, len(head)) + head)
+        out += body
+    return out
 
 
 def _fields(msg: core.PeerMessage) -> tuple[int, dict[str, Any], Sequence[bytes]]:
@@ -134,6 +159,33 @@ def frames(data: bytes) -> list[bytes]:
         out.append(data[pos:end])
         pos = end
     return out
+
+
+class Upstream:
+    """What a follower reads from its primary, a message at a time: peer messages, and a
+    copy's SYNC_PART messages put back together with the SYNC that ends them."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []  # the frames of a copy so far
+        self.session: core.Session | None = None
+
+    def take(self, data: bytes) -> core.PeerMessage | None:
+        kind, h, body = header(data)
+        if kind == SYNC_PART:
+            try:
+                session = _session(h["session"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise WireError(f"bad message of kind {kind}: {exc!r}") from None
+            if session != self.session:
+                self.parts, self.session = [], session
+            self.parts += frames(body)
+            return None
+        msg = decode(data)
+        if isinstance(msg, core.Sync) and msg.full is not None and self.parts:
+            if msg.session == self.session:
+                msg = dataclasses.replace(msg, full=[*self.parts, *msg.full])
+            self.parts, self.session = [], None
+        return msg
 
 
 def decode(data: bytes) -> core.PeerMessage:
