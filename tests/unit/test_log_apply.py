@@ -478,6 +478,29 @@ def test_a_copy_is_of_the_state_when_it_was_asked_for_whenever_its_frames_are_ma
             m.mid for m in delivered if m is not None
         }
         assert backup_log.end == end
+    # The difference for a member that holds the first five and one consumed since: what it
+    # lacks of what was there when asked, the marks of what was delivered, and the removal.
+    from tandem.broker.replication import log as log_mod
+
+    gone = records.mid(1, 10_000)
+    theirs = [*sorted(held)[:5], gone]
+    diff = primary_log.snapshot({"/": {"q": log_mod._packed(sorted(theirs))}})
+    there = {m.mid for m in q.messages} | set(q.outstanding)
+    delivered_then = set(q.outstanding)
+    q.enqueue(msg(True, 99))  # after the capture: not in it
+    q.get()
+    by_type: dict[int, set[int]] = {}
+    for frame in diff.frames()[1:]:
+        rtype, epoch, offset, _durable = records.head(frame)
+        payload = records.payload(frame)
+        if rtype == records.ENQUEUE:  # at its own position, which its id names
+            by_type.setdefault(rtype, set()).add(records.mid(epoch, offset))
+        elif rtype in (records.DEQUEUE, records.MARK):
+            by_type.setdefault(rtype, set()).add(records.read_key(payload)[2])
+    assert by_type[records.ENQUEUE] == there - set(theirs)
+    assert gone in by_type[records.DEQUEUE]
+    assert by_type[records.DEQUEUE] == set(theirs) - there  # and those acked since `held`
+    assert by_type[records.MARK] == delivered_then
 
 
 @given(mids=st.lists(st.integers(0, 2**40), unique=True, max_size=40))

@@ -478,6 +478,9 @@ class Replica:
             # time while copies keep failing.
             self.failed_copies += 1
             self.quiet_ticks = min(2**self.failed_copies, MAX_QUIET_TICKS)
+            # A new attempt: a member answers a session with one copy, however often its
+            # Hello is repeated while the copy is made and travels.
+            self.session = (self.incarnation, self.session[1] + 1)
             return []
         self.synced, self.failed_copies = True, 0
         return [self._ack()]

@@ -102,6 +102,17 @@ class State:
         replace_file(self.path, json.dumps({"epoch": epoch, "cluster": cluster}), durable=True)
 
 
+class _Making:
+    """A copy being made for a follower: what else was to go to it meanwhile."""
+
+    __slots__ = ("held", "made", "size")
+
+    def __init__(self, made: asyncio.Future[list[bytes]]) -> None:
+        self.made = made  # the copy's bytes, once made
+        self.held: list[bytes] = []
+        self.size = 0
+
+
 class Member:
     """Implements the Sequencer's Shipper port on a primary."""
 
@@ -147,10 +158,14 @@ class Member:
         self.flush_scheduled = False
         self.ack: tuple[str, core.Ack] | None = None
         # Followers whose copy is being made on another thread: what else goes to them
-        # meanwhile is held here and sent after it, in the order the core meant.
-        self.copying: dict[str, tuple[core.Session, list[bytes]]] = {}
-        # Bytes of a copy on its way to a follower: not a sign that it is slow, until it acks.
-        self.copy_bytes: dict[str, int] = {}
+        # meanwhile is held and sent after it, in the order the core meant.
+        self.copying: dict[str, _Making] = {}
+        # The session each follower's last copy answered, over its current connection: a
+        # Hello it repeats while the copy is made or travels gets no second copy.
+        self.copied: dict[str, core.Session] = {}
+        # A follower's unsent bytes when its copy was written, and its bytes written since:
+        # the copy is no sign of a slow reader until it has left the buffer.
+        self.copy_bytes: dict[str, list[int]] = {}
         self.ack_scheduled = False
         self.refused: str | None = None  # why this member cannot join its primary
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -292,6 +307,8 @@ class Member:
             log.warning("node %s: epoch %d is higher than ours; stepping down", self.node, r.epoch)
             self.sequencer.shipper = None
             self.pending = []
+            for peer in list(self.copying) + list(self.copied):
+                self._forget(peer)
             self.hooks.demoted(r.epoch)
             self.sequencer.applying = True
             self.log.lost = True  # what it did alone since is not the cluster's history
@@ -334,19 +351,17 @@ class Member:
         """Make a copy's frames and its message on another thread: with millions of
         messages queued that takes seconds, and the loop goes on serving meanwhile."""
         assert self.loop is not None
-        making = self.copying.get(dest)
-        if making is not None and making[0] == sync.session:
-            return  # the follower repeated its Hello while its copy is being made
-        held: list[bytes] = []
-        self.copying[dest] = (sync.session, held)  # one for an earlier Hello is dropped
-        made = self.loop.run_in_executor(None, wire.encode_parts, sync)
-        made.add_done_callback(functools.partial(self._copied, dest, sync, held))
+        if self.copied.get(dest) == sync.session:
+            return  # the follower repeated its Hello while its copy is made or on its way
+        self.copied[dest] = sync.session
+        making = _Making(self.loop.run_in_executor(None, wire.encode_parts, sync))
+        self.copying[dest] = making  # one for an earlier Hello is dropped when made
+        making.made.add_done_callback(functools.partial(self._copied, dest, sync, making))
 
     def _copied(
-        self, dest: str, sync: core.Sync, held: list[bytes], made: asyncio.Future[list[bytes]]
+        self, dest: str, sync: core.Sync, making: _Making, made: asyncio.Future[list[bytes]]
     ) -> None:
-        making = self.copying.get(dest)
-        if making is None or making[1] is not held:
+        if self.copying.get(dest) is not making:
             return  # the follower went, or said Hello again: a later copy answers it
         del self.copying[dest]
         if made.cancelled():
@@ -356,11 +371,13 @@ class Member:
             return  # as if lost: the follower says Hello again
         if self.replica.role is not Role.PRIMARY or self.replica.epoch != sync.epoch:
             return  # no longer this primary's to send
-        parts = made.result()
-        self.copy_bytes[dest] = sum(map(len, parts))
-        for data in parts:
-            self._write(dest, data)
-        for data in held:
+        writer = self.peers.get(dest)
+        if writer is None or writer.is_closing():
+            return
+        for data in made.result():
+            writer.write(data)
+        self.copy_bytes[dest] = [writer.transport.get_write_buffer_size(), 0]
+        for data in making.held:
             self._write(dest, data)
 
     def _send_ack(self) -> None:
@@ -373,14 +390,32 @@ class Member:
     def _write(self, dest: str, data: bytes) -> None:
         making = self.copying.get(dest)
         if making is not None:
-            making[1].append(data)  # after the copy on its way
+            making.held.append(data)  # after the copy being made
+            making.size += len(data)
+            if making.size > SLOW_BYTES:
+                log.warning(
+                    "node %s: more than %d bytes for member %s waited for its copy; "
+                    "disconnecting it (it asks again when it returns)",
+                    self.node,
+                    SLOW_BYTES,
+                    dest,
+                )
+                self._cut_off(dest)
             return
         writer = self.upstream if dest == self.replica.following else self.peers.get(dest)
         if writer is None or writer.is_closing():
             return  # as if lost: the core's retries and rejoins cover it
         writer.write(data)
         unsent = writer.transport.get_write_buffer_size()
-        if unsent > SLOW_BYTES + self.copy_bytes.get(dest, 0) and dest in self.peers:
+        allowance = 0
+        copy = self.copy_bytes.get(dest)
+        if copy is not None:
+            copy[1] += len(data)
+            if unsent <= copy[1]:
+                del self.copy_bytes[dest]  # what was unsent with the copy has left
+            else:
+                allowance = copy[0]
+        if unsent > SLOW_BYTES + allowance and dest in self.peers:
             log.warning(
                 "node %s: member %s is %d bytes behind on the wire; disconnecting it (it "
                 "catches up when it returns)",
@@ -403,8 +438,6 @@ class Member:
         ):
             age = self.log.age(msg.offset - 1)  # since the newest record it acks was shipped
             self.rtt = age if not self.rtt else 0.9 * self.rtt + 0.1 * age
-        if isinstance(msg, core.Ack):
-            self.copy_bytes.pop(msg.sender, None)  # a follower acks once it took its copy
         outs = self.replica.peer(msg)
         self._after(before)
         self._send(outs)
@@ -497,9 +530,17 @@ class Member:
             writer.close()
 
     def _forget(self, peer: str) -> None:
-        """A follower's connection ended: a copy being made for it is not sent."""
+        """A follower's connection ended, or this member stopped being the primary: a copy
+        being made for it is not sent, and a Hello over the next connection gets its own."""
         self.copying.pop(peer, None)
+        self.copied.pop(peer, None)
         self.copy_bytes.pop(peer, None)
+
+    def _cut_off(self, peer: str) -> None:
+        self._forget(peer)
+        writer = self.peers.get(peer)
+        if writer is not None:
+            writer.transport.abort()
 
     def _check_answer(self, kind: int, answer: dict[str, Any], nonce: str) -> str | None:
         if kind != wire.ANSWER:

@@ -1,0 +1,155 @@
+"""A primary's copies for its followers (replication/member.py), in one process: a copy is
+made on another thread, what else goes to that follower waits for it, a Hello repeated
+while it is made or travels gets no second one, and its bytes are no sign of a slow
+reader. The follower's connection is a recording writer; everything else is real."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from pamqp import commands
+
+from tandem.broker.model import message
+from tandem.broker.model.broker import Broker
+from tandem.broker.model.journal import Sequencer
+from tandem.broker.model.message import Message
+from tandem.broker.replication import core, member, wire
+from tandem.ha.model import ElectionRecord
+
+
+class Hooks:
+    def promoted(self, epoch: int) -> None: ...
+    def demoted(self, epoch: int) -> None: ...
+    def isr_blocked(self, reason: str | None) -> None: ...
+    def following(self, primary: str, amqp: str | None) -> None: ...
+    def lease(self, lapsed: bool) -> None: ...
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.unsent = 0  # bytes written and not yet taken by the follower
+        self.aborted = False
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class Follower:
+    """The primary's end of a follower's connection: what it was sent, as wire kinds."""
+
+    def __init__(self) -> None:
+        self.transport = Transport()
+        self.data = b""
+
+    def is_closing(self) -> bool:
+        return self.transport.aborted
+
+    def write(self, data: bytes) -> None:
+        self.transport.unsent += len(data)
+        self.data += data
+
+    def kinds(self) -> list[int]:
+        out, data = [], self.data
+        while data:
+            split = wire.split(data)
+            assert split is not None
+            out.append(split[0])
+            data = data[split[1] :]
+        return out
+
+
+BODY = 1_000
+
+
+@pytest.fixture
+def slow_bytes(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    monkeypatch.setattr(member, "SLOW_BYTES", 20 * BODY)  # a copy of 50 messages is over it
+    yield member.SLOW_BYTES
+
+
+def primary_with_follower() -> tuple[member.Member, Follower, Broker]:
+    seq = Sequencer()
+    b = Broker(seq)
+    b.add_vhost("/")
+    m = member.Member("a", b, seq, None, Hooks(), key=b"k" * 16, data_dir=None, isr_min=1)
+    m.loop = asyncio.get_running_loop()
+    m.promote(ElectionRecord("a", 1, frozenset({"a"}), 1))
+    q, _ = b.vhost("/").declare_queue("q", durable=True)
+    for _ in range(50):
+        publish(q)
+    m._flush()
+    follower = Follower()
+    m.peers["b"] = follower  # type: ignore[assignment]
+    return m, follower, b
+
+
+def publish(q: object) -> None:
+    props = commands.Basic.Properties(delivery_mode=2).marshal()
+    msg = Message("", "q", message.encode_route("", "q"), props, b"x" * BODY, BODY)
+    message.scan(msg)
+    q.enqueue(msg)  # type: ignore[attr-defined]
+
+
+async def copy_made(m: member.Member) -> None:
+    await m.copying["b"].made  # its callback, registered first, has run
+
+
+def test_one_copy_per_session_and_what_else_goes_follows_it(slow_bytes: int) -> None:
+    async def run() -> None:
+        m, follower, b = primary_with_follower()
+        hello = core.Hello("b", 1, (5, 1), (), 0, False, None)
+        m.on_peer(hello)
+        m.on_peer(hello)  # repeated by the follower's tick while the copy is made
+        publish(b.vhost("/").queues["q"])
+        m._flush()  # an Append while the copy is made: it waits for the copy
+        assert follower.data == b""
+        await copy_made(m)
+        assert follower.kinds() == [wire.SYNC, wire.APPEND]
+        m.on_peer(hello)  # repeated again while the copy travels
+        assert "b" not in m.copying and follower.kinds() == [wire.SYNC, wire.APPEND]
+        m.on_peer(core.Hello("b", 1, (5, 2), (), 0, False, None))  # a new attempt
+        await copy_made(m)
+        assert follower.kinds() == [wire.SYNC, wire.APPEND, wire.SYNC]
+        assert not follower.transport.aborted
+
+    asyncio.run(run())
+
+
+def test_a_copy_is_no_sign_of_a_slow_reader_until_it_has_left(slow_bytes: int) -> None:
+    async def run() -> None:
+        m, follower, b = primary_with_follower()
+        m.on_peer(core.Hello("b", 1, (5, 1), (), 0, False, None))
+        await copy_made(m)
+        assert follower.transport.unsent > slow_bytes and not follower.transport.aborted
+        q = b.vhost("/").queues["q"]
+        for _ in range(10):  # behind the copy, under the limit
+            publish(q)
+            m._flush()
+        assert not follower.transport.aborted
+        follower.transport.unsent = BODY  # the copy has left; what follows has not
+        publish(q)
+        m._flush()
+        assert m.copy_bytes.get("b") is None  # no allowance any more
+        for _ in range(25):  # past the limit, with no copy before it: a slow reader
+            publish(q)
+            m._flush()
+        assert follower.transport.aborted
+
+    asyncio.run(run())
+
+
+def test_a_copy_made_for_a_primary_that_stepped_down_is_not_sent(slow_bytes: int) -> None:
+    async def run() -> None:
+        m, follower, _b = primary_with_follower()
+        m.on_peer(core.Hello("b", 1, (5, 1), (), 0, False, None))
+        made = m.copying["b"].made
+        m.fence(2)  # a higher epoch: no longer the primary
+        await made
+        assert follower.data == b"" and m.copying == {} and m.copied == {}
+
+    asyncio.run(run())
