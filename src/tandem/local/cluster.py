@@ -392,8 +392,8 @@ def _bound_port(site: web.TCPSite, default: int) -> int:
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
-    """The directory's device and inode: a directory made again under the same name (a
-    member's restart makes its parents) is not the one the cluster started with."""
+    """The directory's device and inode: a directory made again under the same name is not
+    the one the cluster started with."""
     try:
         st = path.stat()
     except OSError:

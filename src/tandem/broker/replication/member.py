@@ -307,7 +307,7 @@ class Member:
             log.warning("node %s: epoch %d is higher than ours; stepping down", self.node, r.epoch)
             self.sequencer.shipper = None
             self.pending = []
-            for peer in list(self.copying) + list(self.copied):
+            for peer in list(self.copied):  # every copy being made is one of them
                 self._forget(peer)
             self.hooks.demoted(r.epoch)
             self.sequencer.applying = True

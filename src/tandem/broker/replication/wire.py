@@ -180,7 +180,7 @@ class Upstream:
                 self.parts, self.session = [], session
             self.parts += frames(body)
             return None
-        msg = decode(data)
+        msg = _decode(kind, h, body)
         if isinstance(msg, core.Sync) and msg.full is not None and self.parts:
             if msg.session == self.session:
                 msg = dataclasses.replace(msg, full=[*self.parts, *msg.full])
@@ -189,7 +189,10 @@ class Upstream:
 
 
 def decode(data: bytes) -> core.PeerMessage:
-    kind, h, body = header(data)
+    return _decode(*header(data))
+
+
+def _decode(kind: int, h: dict[str, Any], body: bytes) -> core.PeerMessage:
     try:
         sender, epoch = str(h["sender"]), int(h["epoch"])
         if kind == HELLO:
