@@ -241,8 +241,8 @@ def snapshot(broker: Broker, snap: dict[str, Any]) -> None:
     for vname, defs in snap.get("vhosts", {}).items():
         vh = broker.add_vhost(vname)
         names = {q["name"] for q in defs["queues"]}
-        for q in [q for q in vh.queues.values() if q.durable and q.name not in names]:
-            vh.delete_queue(q)
+        for gone in [q for q in vh.queues.values() if q.durable and q.name not in names]:
+            vh.delete_queue(gone)
         exnames = {e["name"] for e in defs["exchanges"]}
         for ex in [
             e
@@ -252,8 +252,8 @@ def snapshot(broker: Broker, snap: dict[str, Any]) -> None:
             vh.remove_exchange(ex)
         for e in defs["exchanges"]:
             define(vh, "exchange.declare", e)
-        for q in defs["queues"]:
-            define(vh, "queue.declare", q)
+        for body in defs["queues"]:
+            define(vh, "queue.declare", body)
         for b in defs["bindings"]:
             define(vh, "bind", b)
 

@@ -60,6 +60,10 @@ class Exchange:
         self.alternate: str | None = None if ae is None else str(ae)
         self.bindings: dict[tuple[int, str, str], Binding] = {}
         self.deleted = False
+        self._new_index()
+
+    def _new_index(self) -> None:
+        """Make the kind's own index of bindings (none here)."""
 
     def bind(self, b: Binding) -> bool:
         if b.key in self.bindings:
@@ -87,8 +91,7 @@ class Exchange:
 class DirectExchange(Exchange):
     kind = "direct"
 
-    def __init__(self, name: str, **kw: Any) -> None:
-        super().__init__(name, **kw)
+    def _new_index(self) -> None:
         self.table: dict[str, list[Destination]] = {}
 
     def _index_add(self, b: Binding) -> None:
@@ -148,8 +151,7 @@ class TopicExchange(Exchange):
     kind = "topic"
     CACHE_SIZE = 4096
 
-    def __init__(self, name: str, **kw: Any) -> None:
-        super().__init__(name, **kw)
+    def _new_index(self) -> None:
         self.cache: dict[str, list[Destination]] = {}
 
     def _index_add(self, b: Binding) -> None:

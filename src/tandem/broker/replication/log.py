@@ -74,6 +74,7 @@ class BrokerLog:
         self.diverged: str | None = None
         self.said: set[str] = set()  # the failures already logged
         self.installed = 0  # copies taken: with `end`, what names the state a digest is of
+        self.captured = 0  # copies made for followers (`snapshot`)
         self.digested: tuple[tuple[int, int], dict[str, dict[str, list[list[Any]]]]] | None = None
 
     # -- what the protocol reads --
@@ -151,6 +152,7 @@ class BrokerLog:
         is iterated, which the member does on another thread (`Copy`)."""
         sequencer = self.sequencer
         epoch = self.last_epoch
+        self.captured += 1
         head = [
             records.frame(
                 records.SNAPSHOT,

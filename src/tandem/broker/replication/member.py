@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from tandem.broker.model import apply
 from tandem.broker.model.broker import Broker
@@ -453,7 +453,9 @@ class Member:
         self.server = await asyncio.start_server(
             self._accept, self.host, self.port, ssl=self.server_ssl
         )
-        self.port = self.server.sockets[0].getsockname()[1]
+        # A list under uvloop, not the tuple typeshed says, and compiled code checks the type
+        # of what it reads: read as Any.
+        self.port = cast(Any, self.server).sockets[0].getsockname()[1]
         return self.port
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -586,10 +588,10 @@ class Member:
         while self.replica.following == primary:
             try:
                 await self._linked(primary, address)
-            except RefusedError as exc:
-                self.refused = str(exc)
-                log.error("node %s cannot replicate from %s: %s", self.node, primary, exc)
-                if exc.final:
+            except RefusedError as refused:  # not `exc`: compiled code gives a name one type
+                self.refused = str(refused)
+                log.error("node %s cannot replicate from %s: %s", self.node, primary, refused)
+                if refused.final:
                     return
             except (OSError, asyncio.IncompleteReadError, ssl.SSLError, wire.WireError) as exc:
                 log.info("node %s: link to primary %s: %r", self.node, primary, exc)
