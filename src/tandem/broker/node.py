@@ -15,7 +15,7 @@ import ssl
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from tandem import errors
+from tandem import _compiled, errors
 from tandem.broker import admin, server
 from tandem.broker.config import Config
 from tandem.broker.model import apply, definitions, records
@@ -599,5 +599,9 @@ class Node:
         )
         print(line, flush=True)
         log.info("%s", line)
+        if _compiled.WHY_NOT is None:
+            log.info("running compiled: %d modules (mypyc)", len(_compiled.MODULES))
+        else:
+            log.info("running as pure Python: %s", _compiled.WHY_NOT)
         if self.cfg.data_dir is not None:
             replace_file(self.cfg.data_dir / "ports.json", json.dumps(ports))

@@ -1,0 +1,77 @@
+"""Whether the modules setup.py compiles with mypyc run compiled, or as the Python beside them.
+
+An extension module is imported before a source of the same name, so an edited checkout
+would run the code as it was when last built. Compiled code is used only when all of it is
+current: when, in a checkout (`pip install -e .`), any compiled module's source is newer
+than its extension, when the group's shared runtime does not load, or when TANDEM_PURE=1 (a
+profiler such as py-spy sees Python frames only), every one of them is imported from its
+source instead; never some of each, as compiled modules call each other's classes directly.
+An installed wheel is not edited in place, and its files' times are those of the unpacking.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+
+GROUP = "tandem__mypyc"  # setup.py's group_name: the shared library of the compiled code
+
+_PACKAGE = Path(__file__).parent
+
+
+def _found() -> dict[str, tuple[Path, Path]]:
+    """Each compiled module's name, with its source and its extension."""
+    out: dict[str, tuple[Path, Path]] = {}
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        for ext in _PACKAGE.rglob("*" + suffix):
+            source = ext.with_name(ext.name[: -len(suffix)] + ".py")
+            if source.exists():
+                name = ".".join(source.relative_to(_PACKAGE.parent).with_suffix("").parts)
+                out.setdefault(name, (source, ext))
+    return out
+
+
+def _why_not(found: dict[str, tuple[Path, Path]]) -> str | None:
+    if not found:
+        return "not compiled (setup.py)"
+    if os.environ.get("TANDEM_PURE", "") not in ("", "0"):
+        return "TANDEM_PURE is set"
+    try:
+        group = importlib.import_module(GROUP)
+    except ImportError as exc:
+        return f"the compiled code does not load: {exc}"
+    # The code is in the group's library; a build leaves a module's own small extension as
+    # it was when its C did not change.
+    built = Path(group.__file__ or "").stat().st_mtime
+    if (_PACKAGE.parent.parent / "pyproject.toml").exists():
+        for name, (source, _ext) in sorted(found.items()):
+            if source.stat().st_mtime > built:
+                return f"{name} changed since it was compiled (pip install -e . compiles it again)"
+    return None
+
+
+class _Sources(importlib.abc.MetaPathFinder):
+    """Finds the compiled modules' sources, ahead of their extensions."""
+
+    def __init__(self, sources: dict[str, Path]) -> None:
+        self.sources = sources
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        source = self.sources.get(fullname)
+        return None if source is None else importlib.util.spec_from_file_location(fullname, source)
+
+
+_modules = _found()
+# Why the broker runs as Python, or None when it runs compiled (the broker logs it at start).
+WHY_NOT = _why_not(_modules)
+MODULES = sorted(_modules)
+if WHY_NOT is not None and _modules:
+    sys.meta_path.insert(0, _Sources({name: source for name, (source, _e) in _modules.items()}))
