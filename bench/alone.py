@@ -8,6 +8,7 @@
   from /proc, to report each broker's CPU use and µs per message.
 - `source_env(tree)`: the environment that runs Tandem from another source tree (a git
   worktree of an older commit, say), to measure a change before and after in one run.
+- `build(env)`: whether Tandem runs compiled (mypyc) in that environment, for the report.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -74,3 +77,15 @@ def source_env(tree: str | None) -> dict[str, str] | None:
     if not (src / "tandem").is_dir():
         raise SystemExit(f"{tree} is not a Tandem source tree (no src/tandem)")
     return {**os.environ, "PYTHONPATH": str(src)}
+
+
+def build(env: dict[str, str] | None) -> str:
+    """'compiled', or 'pure Python' and why, as a broker started with `env` would run."""
+    probe = "import tandem._compiled as c; print(c.WHY_NOT or '')"
+    try:
+        why = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "pure Python (before tandem._compiled)"
+    return f"pure Python ({why})" if why else "compiled (mypyc)"

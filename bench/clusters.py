@@ -59,6 +59,7 @@ def _running(pid: int) -> bool:
 class TandemCluster:
     def __init__(self, replicas: int = 3, env: dict[str, str] | None = None, *args: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-ha-bench-"))
+        self.env = env
         self.log = open(self.dir / "cluster.log", "wb")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(
             [

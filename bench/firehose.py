@@ -119,6 +119,7 @@ def rss_mb(pid: int) -> float:
 class Tandem:
     def __init__(self, env: dict[str, str] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-bench-"))
+        self.env = env
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -172,6 +173,8 @@ def main() -> int:
         raise SystemExit(f"no workload {', '.join(sorted(unknown))}; known: {', '.join(WORKLOADS)}")
     modes = {m: WORKLOADS[m] for m in args.workloads.split(",")}
     print(f"machine: {os.cpu_count()} cores; client: amqplib; runs: {args.runs}")
+    for name, t in tandems.items():
+        print(f"{name}: {alone.build(t.env)}")
     try:
         results: dict[tuple[str, str], list[float]] = {}
         costs: dict[tuple[str, str], list[float]] = {}

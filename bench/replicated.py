@@ -55,6 +55,8 @@ def main() -> int:
             "rabbitmq 3.10: 3 nodes, quorum queue"
         )
         print("rabbitmq's nodes are paused (SIGSTOP) while a tandem cluster runs")
+        for name, t in tandems.items():
+            print(f"{name}: {alone.build(t.env)}")
         results: dict[tuple[str, str], list[float]] = {}
         costs: dict[tuple[str, str], list[float]] = {}
         modes = [
