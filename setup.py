@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import sysconfig
+import time
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -63,7 +66,7 @@ def _extensions() -> list[object]:
             opt_level="3",
             debug_level="0",
             group_name="tandem",
-            multi_file=True,  # C files that compile side by side (`parallel` below)
+            multi_file=True,  # C files of a module each, not one of them all
         )
     except (Exception, SystemExit) as exc:  # mypy exits on a type error
         print(f"tandem: mypyc failed ({exc!r}); installing pure Python", file=sys.stderr)
@@ -78,9 +81,24 @@ class _BuildExt(build_ext):
     the package first (half a minute), and pip reads setup.py twice more for the metadata."""
 
     def finalize_options(self) -> None:
+        self.started = time.time()  # before mypyc reads the sources
         self.distribution.ext_modules = _extensions()
         super().finalize_options()
-        self.parallel = self.parallel or True  # one compiler per core
+        self.parallel = self.parallel or True  # the modules' own small extensions
+
+    def run(self) -> None:
+        # A wheel built in this tree packs all of build/lib: no extension of an earlier build
+        # goes in beside this one's sources.
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        for old in Path(self.build_lib).rglob("*" + suffix):
+            old.unlink()
+        super().run()
+        # The compiled code is of the sources as they were when mypyc read them: a source
+        # saved during the build is newer than it (tandem._compiled).
+        for where in (Path(self.build_lib), Path("src")):
+            for lib in where.glob("tandem__mypyc*"):
+                if lib.stat().st_mtime >= self.started:
+                    os.utime(lib, (self.started, self.started))
 
 
 # A stand-in that tells setuptools there are extensions to build (and the wheel is

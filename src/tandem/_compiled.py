@@ -2,10 +2,11 @@
 
 An extension module is imported before a source of the same name, so an edited checkout
 would run the code as it was when last built. Compiled code is used only when all of it is
-current: when, in a checkout (`pip install -e .`), any compiled module's source is newer
-than its extension, when the group's shared runtime does not load, or when TANDEM_PURE=1 (a
-profiler such as py-spy sees Python frames only), every one of them is imported from its
-source instead; never some of each, as compiled modules call each other's classes directly.
+current and of one build: when, in a checkout (`pip install -e .`), any of the package's
+sources is newer than the build, when the group's shared library does not load or does not
+hold exactly the modules found compiled, or when TANDEM_PURE=1 (a profiler such as py-spy
+sees Python frames only), every one of them is imported from its source instead; never some
+of each, as compiled modules call each other's classes directly.
 An installed wheel is not edited in place, and its files' times are those of the unpacking.
 """
 
@@ -46,13 +47,17 @@ def _why_not(found: dict[str, tuple[Path, Path]]) -> str | None:
         group = importlib.import_module(GROUP)
     except ImportError as exc:
         return f"the compiled code does not load: {exc}"
-    # The code is in the group's library; a build leaves a module's own small extension as
-    # it was when its C did not change.
-    built = Path(group.__file__ or "").stat().st_mtime
+    built = {a.removeprefix("init_").replace("___", ".") for a in dir(group) if a[:5] == "init_"}
+    if built != found.keys():  # a module's extension left from another build, or missing
+        return f"the compiled modules are not those of one build: {sorted(built ^ found.keys())}"
+    # The code is in the group's library, dated when mypyc read the sources (setup.py). The
+    # compiled modules also hold what they import of the others: any source counts.
+    when = Path(group.__file__ or "").stat().st_mtime
     if (_PACKAGE.parent.parent / "pyproject.toml").exists():
-        for name, (source, _ext) in sorted(found.items()):
-            if source.stat().st_mtime > built:
-                return f"{name} changed since it was compiled (pip install -e . compiles it again)"
+        for source in sorted(_PACKAGE.rglob("*.py")):
+            if source.stat().st_mtime > when:
+                name = source.relative_to(_PACKAGE.parent).as_posix()
+                return f"{name} changed since it was compiled (pip install -e . compiles again)"
     return None
 
 
