@@ -26,19 +26,19 @@ GROUP = "tandem__mypyc"  # setup.py's group_name: the shared library of the comp
 _PACKAGE = Path(__file__).parent
 
 
-def _found() -> dict[str, tuple[Path, Path]]:
-    """Each compiled module's name, with its source and its extension."""
-    out: dict[str, tuple[Path, Path]] = {}
+def _found() -> dict[str, Path]:
+    """Each compiled module's name, and its source."""
+    out: dict[str, Path] = {}
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         for ext in _PACKAGE.rglob("*" + suffix):
             source = ext.with_name(ext.name[: -len(suffix)] + ".py")
             if source.exists():
                 name = ".".join(source.relative_to(_PACKAGE.parent).with_suffix("").parts)
-                out.setdefault(name, (source, ext))
+                out[name] = source
     return out
 
 
-def _why_not(found: dict[str, tuple[Path, Path]]) -> str | None:
+def _why_not(found: dict[str, Path]) -> str | None:
     if not found:
         return "not compiled (setup.py)"
     if os.environ.get("TANDEM_PURE", "") not in ("", "0"):
@@ -79,4 +79,4 @@ _modules = _found()
 WHY_NOT = _why_not(_modules)
 MODULES = sorted(_modules)
 if WHY_NOT is not None and _modules:
-    sys.meta_path.insert(0, _Sources({name: source for name, (source, _e) in _modules.items()}))
+    sys.meta_path.insert(0, _Sources(_modules))
