@@ -7,7 +7,7 @@ per epoch the log holds records of (Kafka's leader-epoch checkpoint), kept for t
 The Sequencer hands the store the frames of durable records in log order (the `Disk` port);
 they go into a pending buffer, and a single writer thread writes and fsyncs a whole batch at a
 time (group commit), then tells the Sequencer on the loop, which releases confirms and
-tx.commit-ok.
+tx.commit-ok. A small batch on a fast disk is written on the loop itself (`_write_here`).
 
 Housekeeping takes no position: a new segment starts with a SNAPSHOT of the durable
 definitions stamped with the current position, so a segment is needed only for the persistent
@@ -80,6 +80,8 @@ CARRY_PATIENCE = 2.0  # seconds
 CARRY_LIMIT = 30.0  # seconds: however slowly they are consumed, carried after this long
 CARRY_BYTES = 1 << 20  # of a segment carried forward in one turn of the loop
 CHECKPOINT_MAGIC = b"TANDEM-CHECKPOINT-1\n"
+INLINE_BYTES = 16 << 10  # a batch this small is written on the loop when the disk is fast
+INLINE_FSYNC = 0.0005  # seconds: fast, a recent fsync took less
 
 
 @dataclass(slots=True)
@@ -182,6 +184,8 @@ class Store:
         self.lock = threading.Lock()
         self.synced_batches = 0
         self.fsync_seconds: Callable[[float], None] = lambda s: None
+        self.fsync_recent = INLINE_FSYNC  # moving average; the first batches go to the thread
+        self.written_here = 0  # batches written on the loop (`_write_here`)
         self.sizes: dict[int, int] = {}  # bytes of each segment known to be written
         self.grouped: collections.deque[int] = collections.deque()  # replay: records' places
         self.recovering = False
@@ -578,39 +582,73 @@ class Store:
         batch.through = self.handed
         self.inflight = batch
         assert self.loop is not None
+        if (
+            self.fsync_recent < INLINE_FSYNC
+            and sum(len(data) for _, data in batch.chunks) <= INLINE_BYTES
+        ):
+            # After what this turn sends: the records reach the backups, the deliveries
+            # their consumers, before the loop waits for the disk.
+            self.loop.call_soon(self._write_here, batch)
+            return
+        self._write_there(batch)
+
+    def _write_there(self, batch: _Batch) -> None:
+        assert self.loop is not None
         fut = self.loop.run_in_executor(None, self._write_batch, batch)
         fut.add_done_callback(lambda f: self._written(batch, f))
 
+    def _write_here(self, batch: _Batch) -> None:
+        """Write and fsync a small batch on the loop itself, the disk being fast: under a
+        light load (a publisher waiting for each confirm) handing it to the writer thread and
+        back costs more than the write does, in thread switches. A bigger batch, a slow disk
+        or a checkpoint being written goes to the thread."""
+        if not self.lock.acquire(blocking=False):
+            self._write_there(batch)
+            return
+        assert self.loop is not None
+        fut: asyncio.Future[float] = self.loop.create_future()
+        try:
+            fut.set_result(self._write_locked(batch))
+        except Exception as exc:
+            fut.set_exception(exc)
+        finally:
+            self.lock.release()
+        self.written_here += 1
+        self._written(batch, fut)
+
     def _write_batch(self, batch: _Batch) -> float:
         with self.lock:
-            if batch.generation != self.generation or self.closed:
-                return 0.0  # written for a log that was reset meanwhile, or closed
-            if batch.epochs:
-                self._write_epochs(batch.epochs)
-            touched: dict[int, int] = {}
-            groups: dict[int, list[bytes]] = {}
-            for seg, data in batch.chunks:
-                groups.setdefault(seg, []).append(data)
-            for seg, parts in groups.items():
-                fd = self._fd(seg)
-                _write_all(fd, parts)
-                touched[seg] = fd
-            start = time.perf_counter()
-            if self.fsync:
-                for fd in touched.values():
-                    os.fsync(fd)
-            took = time.perf_counter() - start
-            for seg, parts in groups.items():
-                self.sizes[seg] = self.sizes.get(seg, 0) + sum(len(p) for p in parts)
-            for seg in batch.deletes:
-                fd_or_none = self.fds.pop(seg, None)
-                if fd_or_none is not None:
-                    os.close(fd_or_none)
-                try:
-                    self._path(seg).unlink(missing_ok=True)
-                except OSError as exc:  # the batch is written: only the space is not freed
-                    log.warning("cannot delete the consumed segment %d: %s", seg, exc)
-            return took
+            return self._write_locked(batch)
+
+    def _write_locked(self, batch: _Batch) -> float:
+        if batch.generation != self.generation or self.closed:
+            return 0.0  # written for a log that was reset meanwhile, or closed
+        if batch.epochs:
+            self._write_epochs(batch.epochs)
+        touched: dict[int, int] = {}
+        groups: dict[int, list[bytes]] = {}
+        for seg, data in batch.chunks:
+            groups.setdefault(seg, []).append(data)
+        for seg, parts in groups.items():
+            fd = self._fd(seg)
+            _write_all(fd, parts)
+            touched[seg] = fd
+        start = time.perf_counter()
+        if self.fsync:
+            for fd in touched.values():
+                os.fsync(fd)
+        took = time.perf_counter() - start
+        for seg, parts in groups.items():
+            self.sizes[seg] = self.sizes.get(seg, 0) + sum(len(p) for p in parts)
+        for seg in batch.deletes:
+            fd_or_none = self.fds.pop(seg, None)
+            if fd_or_none is not None:
+                os.close(fd_or_none)
+            try:
+                self._path(seg).unlink(missing_ok=True)
+            except OSError as exc:  # the batch is written: only the space is not freed
+                log.warning("cannot delete the consumed segment %d: %s", seg, exc)
+        return took
 
     def _write_epochs(self, added: list[tuple[int, int]]) -> None:
         path = self.dir / "epochs"
@@ -652,7 +690,9 @@ class Store:
         self.inflight = None
         self._synced = max(self._synced, batch.through)
         self.synced_batches += 1
-        self.fsync_seconds(fut.result())
+        took = fut.result()
+        self.fsync_recent = 0.8 * self.fsync_recent + 0.2 * took
+        self.fsync_seconds(took)
         while self.unwritten and self._on_disk(self.unwritten[0]):
             page = self.unwritten.popleft()
             if self.held_bytes[page.key] > self.page_bytes // 4:  # read back from the log

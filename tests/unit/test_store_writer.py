@@ -1,0 +1,89 @@
+"""Where the store writes a batch (store/log.py): a small one on a fast disk on the loop
+itself, a big one, one on a slow disk, or one while a checkpoint holds the log on the writer
+thread. Either way the records are on disk and the waiters called back, in order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from tandem.broker.model.broker import Broker
+from tandem.broker.model.journal import Sequencer
+from tandem.broker.store import log as store_log
+from tandem.broker.store.log import Store
+
+Body = Callable[[Store, Broker, Sequencer], Awaitable[None]]
+
+
+def with_store(tmp_path: Path, body: Body) -> None:
+    async def run() -> None:
+        seq = Sequencer()
+        broker = Broker(seq)
+        store = Store(tmp_path, fsync=False)
+        seq.disk = store
+        store.open(broker, seq, asyncio.get_running_loop())
+        try:
+            await body(store, broker, seq)
+        finally:
+            store.close()
+
+    asyncio.run(run())
+
+
+async def declared(broker: Broker, seq: Sequencer, name: str, size: int = 0) -> None:
+    """Declare a durable queue (one durable record, `size` bytes of arguments more) and
+    wait until it is on disk."""
+    arguments = {"x-pad": "p" * size} if size else {}
+    broker.vhost("/").declare_queue(name, durable=True, arguments=arguments)
+    done = asyncio.get_running_loop().create_future()
+    seq.when_done(lambda: done.set_result(None))
+    await done
+
+
+def on_disk(tmp_path: Path) -> list[str]:
+    """The queues a store opened again on the same data dir recovers."""
+    names: list[str] = []
+
+    async def read(store: Store, broker: Broker, seq: Sequencer) -> None:
+        names.extend(broker.vhost("/").queues)
+
+    with_store(tmp_path, read)
+    return sorted(names)
+
+
+def test_a_small_batch_on_a_fast_disk_is_written_on_the_loop(tmp_path: Path) -> None:
+    async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
+        broker.add_vhost("/")
+        store.fsync_recent = 0.0  # a fast disk
+        await declared(broker, seq, "a")
+        assert store.written_here == 1
+        await declared(broker, seq, "b", size=store_log.INLINE_BYTES)  # too big for the loop
+        assert store.written_here == 1
+        store.fsync_recent = 1.0  # a slow disk: a second on the loop is too long
+        await declared(broker, seq, "c")
+        assert store.written_here == 1
+        assert store.synced_batches >= 3
+
+    with_store(tmp_path, body)
+    assert on_disk(tmp_path) == ["a", "b", "c"]
+
+
+def test_a_batch_waits_for_the_thread_while_a_checkpoint_holds_the_log(tmp_path: Path) -> None:
+    async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
+        broker.add_vhost("/")
+        store.fsync_recent = 0.0
+        store.lock.acquire()  # as a checkpoint being written does
+        broker.vhost("/").declare_queue("a", durable=True)
+        done = asyncio.get_running_loop().create_future()
+        seq.when_done(lambda: done.set_result(None))
+        for _ in range(3):  # the flush, then the write it hands on
+            await asyncio.sleep(0)
+        # The loop did not block on the lock: the batch waits on the writer thread.
+        assert store.inflight is not None and not done.done()
+        store.lock.release()
+        await done
+        assert store.written_here == 0
+
+    with_store(tmp_path, body)
+    assert on_disk(tmp_path) == ["a"]
