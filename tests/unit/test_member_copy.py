@@ -82,7 +82,7 @@ def primary_with_follower() -> tuple[member.Member, Follower, Broker]:
     q, _ = b.vhost("/").declare_queue("q", durable=True)
     for _ in range(50):
         publish(q)
-    m._flush()
+    m._flush(due=True)
     follower = Follower()
     m.peers["b"] = follower  # type: ignore[assignment]
     return m, follower, b
@@ -106,7 +106,7 @@ def test_one_copy_per_session_and_what_else_goes_follows_it(slow_bytes: int) -> 
         m.on_peer(hello)
         m.on_peer(hello)  # repeated by the follower's tick while the copy is made
         publish(b.vhost("/").queues["q"])
-        m._flush()  # an Append while the copy is made: it waits for the copy
+        m._flush(due=True)  # an Append while the copy is made: it waits for the copy
         assert follower.data == b""
         await copy_made(m)
         assert follower.kinds() == [wire.SYNC, wire.APPEND]
@@ -131,15 +131,15 @@ def test_a_copy_is_no_sign_of_a_slow_reader_until_it_has_left(slow_bytes: int) -
         q = b.vhost("/").queues["q"]
         for _ in range(10):  # behind the copy, under the limit
             publish(q)
-            m._flush()
+            m._flush(due=True)
         assert not follower.transport.aborted
         follower.transport.unsent = BODY  # the copy has left; what follows has not
         publish(q)
-        m._flush()
+        m._flush(due=True)
         assert m.copy_bytes.get("b") is None  # no allowance any more
         for _ in range(25):  # past the limit, with no copy before it: a slow reader
             publish(q)
-            m._flush()
+            m._flush(due=True)
         assert follower.transport.aborted
 
     asyncio.run(run())

@@ -409,6 +409,8 @@ class Sequencer:
             callback()
         else:
             self.waiters.append((self.last_durable, self.last_shipped, callback))
+            if self.shipper is not None:
+                self.shipper.soon()  # what it waits for may be held back (Member._flush)
 
     def dirty(self) -> bool:
         return bool(self.waiters) or not self._done(self.last_durable, self.last_shipped)

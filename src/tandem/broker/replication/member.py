@@ -7,8 +7,11 @@ commands (fence, promote, follow, and the election record's ISR), and the Sequen
 - a backup connects to the primary, proves it holds the cluster key (an HMAC of the
   primary's challenge), says Hello and applies what it is sent; it acks only once the
   durable records among them are on its disk (rule 3's "on disk");
-- a primary ships each batch of frames to every follower on the loop turn it was made, and
-  a follower whose unsent bytes pass `SLOW_BYTES` is disconnected: the primary's memory stays
+- a primary ships each batch of frames to every follower on the loop turn it was made when
+  a confirm or a reply waits for it; what nothing waits for yet (a consumer's acks, delivery
+  marks) goes with the next batch that something does, or after `LAZY_SECONDS`, so that it
+  costs the members no write, fsync and ack of its own;
+- a follower whose unsent bytes pass `SLOW_BYTES` is disconnected: the primary's memory stays
   bounded, the controller drops the member from the ISR (rule 4), and it catches up later;
 - the epoch and the cluster id live in `<data_dir>/cluster.json`, written before an answer
   leaves, so a restart never forgets an epoch it adopted (rule 1), and a member whose store
@@ -50,6 +53,7 @@ CHECKPOINT_EVERY = 10_000  # records between the primary's audit checkpoints
 CHECKPOINTS_KEPT = 100
 RETRY_SECONDS = 0.2  # between attempts to reach the primary
 TICK_SECONDS = 0.5  # a backup repeats its ack (or its Hello) this often
+LAZY_SECONDS = 0.01  # records no confirm waits for (acks, delivery marks) ship within this
 LEASE_SECONDS = 10.0  # a primary the controller has not renewed for this long closes its clients
 
 
@@ -155,7 +159,10 @@ class Member:
         self.tg: asyncio.TaskGroup | None = None
         self.pending: list[bytes] = []
         self.pending_start = 0
+        self.pending_end = 0
+        self.shipped = 0  # offset of the last record sent to the followers
         self.flush_scheduled = False
+        self.lazy: asyncio.TimerHandle | None = None
         self.ack: tuple[str, core.Ack] | None = None
         # Followers whose copy is being made on another thread: what else goes to them
         # meanwhile is held and sent after it, in the order the core meant.
@@ -199,17 +206,24 @@ class Member:
             self.loop.call_soon(self.checkpoint)
         if not self.pending:
             self.pending_start = offset
-            if not self.flush_scheduled and self.loop is not None:
-                self.flush_scheduled = True
-                self.loop.call_soon(self._flush)
         self.pending.append(data)
+        self.pending_end = offset
+        if not self.flush_scheduled and self.loop is not None:
+            self.flush_scheduled = True
+            self.loop.call_soon(self._flush)
 
     def soon(self) -> None:
         if not self.flush_scheduled and self.loop is not None:
             self.flush_scheduled = True
             self.loop.call_soon(self._flush)
 
-    def _flush(self) -> None:
+    def _flush(self, due: bool = False) -> None:
+        """Ship this turn's records. Those no confirm waits for yet (a consumer's acks,
+        delivery marks) wait for the next that one does, or LAZY_SECONDS: with a publisher
+        that waits for each confirm, a consumer's ack rides with the next publish instead of
+        costing every member a write, an fsync and an ack of its own."""
+        if due:
+            self.lazy = None
         if self.replica.role is Role.PRIMARY:
             self.sequencer.emit_marks()  # their records join this turn's (no flush scheduled)
         else:
@@ -218,7 +232,17 @@ class Member:
         if not self.pending or self.replica.role is not Role.PRIMARY:
             self.pending = []
             return
+        waiters = self.sequencer.waiters
+        if not due and not (waiters and waiters[-1][1] > self.shipped):
+            if self.lazy is None:
+                assert self.loop is not None
+                self.lazy = self.loop.call_later(LAZY_SECONDS, self._flush, True)
+            return
+        if self.lazy is not None:
+            self.lazy.cancel()
+            self.lazy = None
         frames, self.pending = self.pending, []
+        self.shipped = self.pending_end
         self._send(self.replica.appended(self.pending_start, frames))
         self.sequencer.progress()
 
@@ -307,6 +331,10 @@ class Member:
             log.warning("node %s: epoch %d is higher than ours; stepping down", self.node, r.epoch)
             self.sequencer.shipper = None
             self.pending = []
+            self.shipped = 0
+            if self.lazy is not None:
+                self.lazy.cancel()
+                self.lazy = None
             for peer in list(self.copied):  # every copy being made is one of them
                 self._forget(peer)
             self.hooks.demoted(r.epoch)
