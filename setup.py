@@ -15,7 +15,10 @@ import os
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -86,6 +89,10 @@ class _BuildExt(build_ext):
         super().finalize_options()
         self.parallel = self.parallel or True  # the modules' own small extensions
 
+    def build_extensions(self) -> None:
+        self.compiler.compile = _each_on_its_own(self.compiler.compile)
+        super().build_extensions()
+
     def run(self) -> None:
         # A wheel built in this tree packs all of build/lib: no extension of an earlier build
         # goes in beside this one's sources.
@@ -99,6 +106,21 @@ class _BuildExt(build_ext):
             for lib in where.glob("tandem__mypyc*"):
                 if lib.stat().st_mtime >= self.started:
                     os.utime(lib, (self.started, self.started))
+
+
+def _each_on_its_own(compile_c: Callable[..., list[str]]) -> Callable[..., list[str]]:
+    """The compiler's `compile`, running a C compiler per source file at once, one per core:
+    the group's library is a file per module, and one after another they took two thirds
+    of the install."""
+
+    def compile_all(sources: list[str], *args: Any, **kwargs: Any) -> list[str]:
+        if len(sources) < 2:
+            return compile_c(sources, *args, **kwargs)
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            parts = pool.map(lambda source: compile_c([source], *args, **kwargs), sources)
+            return [obj for part in parts for obj in part]
+
+    return compile_all
 
 
 # A stand-in that tells setuptools there are extensions to build (and the wheel is
