@@ -7,8 +7,16 @@
 ARG BASE=docker.io/library/python:3.11-slim-bookworm
 
 FROM ${BASE} AS build
+# A C compiler and Python's headers, for this stage only: the install compiles the broker's
+# hot modules with mypyc (setup.py). The official image has the headers; Debian's python3
+# needs python3-dev.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && { python3 -c 'import sysconfig, os, sys; \
+sys.exit(not os.path.exists(sysconfig.get_path("include") + "/Python.h"))' \
+        || apt-get install -y --no-install-recommends python3-dev; } \
+    && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/tandem
-COPY pyproject.toml README.md constraints.txt /src/
+COPY pyproject.toml setup.py README.md constraints.txt /src/
 COPY src /src/src
 RUN /opt/tandem/bin/pip install --no-cache-dir --disable-pip-version-check \
     -c /src/constraints.txt "/src[operator]"

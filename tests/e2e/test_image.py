@@ -44,6 +44,12 @@ def image() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def _logs(name: str) -> str:
+    """The container's output: the broker logs to stderr."""
+    out = subprocess.run([*RUN, "logs", name], capture_output=True, text=True)
+    return out.stdout + out.stderr
+
+
 @pytest.fixture
 def container(image: str) -> Iterator[tuple[str, int, int]]:
     amqp, admin = _free_port(), _free_port()
@@ -61,7 +67,7 @@ def container(image: str) -> Iterator[tuple[str, int, int]]:
     try:
         yield name, amqp, admin
     finally:
-        logs = subprocess.run([*RUN, "logs", name], capture_output=True, text=True).stdout
+        logs = _logs(name)
         subprocess.run([*RUN, "rm", "-f", "-t", "5", name], capture_output=True, timeout=60)
         assert "please report it as a bug" not in logs, logs
 
@@ -86,6 +92,7 @@ def test_the_image_runs_the_broker_as_a_non_root_user_and_answers_amqp(
         [*RUN, "exec", name, "id", "-u"], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert uid == "10001"
+    assert "running compiled" in _logs(name)  # the build stage compiled it (setup.py)
     inspect = subprocess.run(
         [*RUN, "image", "inspect", "--format", "{{json .Config}}", image],
         capture_output=True,
