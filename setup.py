@@ -116,11 +116,20 @@ def _each_on_its_own(compile_c: Callable[..., list[str]]) -> Callable[..., list[
     def compile_all(sources: list[str], *args: Any, **kwargs: Any) -> list[str]:
         if len(sources) < 2:
             return compile_c(sources, *args, **kwargs)
-        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        with ThreadPoolExecutor(_cores()) as pool:
             parts = pool.map(lambda source: compile_c([source], *args, **kwargs), sources)
             return [obj for part in parts for obj in part]
 
     return compile_all
+
+
+def _cores() -> int:
+    """The cores this build may use (a container's CPU set, not the host's), at most 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return min(cores, 8)
 
 
 # A stand-in that tells setuptools there are extensions to build (and the wheel is

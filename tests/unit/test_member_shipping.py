@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from tandem.broker.model.broker import Broker
+from tandem.broker.model.journal import Sequencer
 from tandem.broker.replication import core, member, wire
 from tests.unit.test_member_copy import Follower, copy_made, primary_with_follower, publish
 
@@ -70,3 +71,26 @@ def test_a_primary_that_steps_down_drops_what_it_held_back() -> None:
         assert follower.kinds() == [wire.SYNC]
 
     asyncio.run(run())
+
+
+class Shipped:
+    """A shipper whose followers hold everything up to offset 5."""
+
+    held = 5
+
+    def ship(self, data: bytes, offset: int) -> None: ...
+    def soon(self) -> None: ...
+
+
+def test_a_waiter_after_a_copy_took_the_log_back_needs_nothing_past_its_end() -> None:
+    """A member that shipped up to offset 10 as primary, then as a backup took a full copy
+    of a log ending at 5, and is promoted again: a reply waits for what the log holds, not
+    for offsets that a new record must first reach."""
+    seq = Sequencer()
+    seq.offset = seq.last_shipped = 10
+    seq.reset(((2, 1),), 5)
+    seq.begin_term(3)
+    seq.shipper = Shipped()
+    called: list[bool] = []
+    seq.when_done(lambda: called.append(True))
+    assert called == [True]

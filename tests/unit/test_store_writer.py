@@ -5,8 +5,12 @@ thread. Either way the records are on disk and the waiters called back, in order
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+import pytest
 
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
@@ -56,14 +60,42 @@ def test_a_small_batch_on_a_fast_disk_is_written_on_the_loop(tmp_path: Path) -> 
     async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
         broker.add_vhost("/")
         store.fsync_recent = 0.0  # a fast disk
-        await declared(broker, seq, "a")
+        await declared(broker, seq, "a")  # opens a segment and the epochs: the thread
+        assert store.written_here == 0
+        await declared(broker, seq, "b")
         assert store.written_here == 1
-        await declared(broker, seq, "b", size=store_log.INLINE_BYTES)  # too big for the loop
+        await declared(broker, seq, "c", size=store_log.INLINE_BYTES)  # too big for the loop
         assert store.written_here == 1
         store.fsync_recent = 1.0  # a slow disk: a second on the loop is too long
-        await declared(broker, seq, "c")
+        await declared(broker, seq, "d")
         assert store.written_here == 1
-        assert store.synced_batches >= 3
+
+    with_store(tmp_path, body)
+    assert on_disk(tmp_path) == ["a", "b", "c", "d"]
+
+
+def test_after_a_failed_write_the_log_is_tried_again_on_the_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing disk can take seconds to fail: it is never tried on the loop again until
+    a write on the thread has worked."""
+    real = os.writev
+    failures = [OSError(errno.ENOSPC, "No space left on device")]
+
+    def full(fd: int, buffers: list[memoryview]) -> int:
+        if failures:
+            raise failures.pop()
+        return real(fd, buffers)
+
+    async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
+        broker.add_vhost("/")
+        await declared(broker, seq, "a")
+        store.fsync_recent = 0.0
+        monkeypatch.setattr(os, "writev", full)
+        await declared(broker, seq, "b")  # fails on the loop, then works on the thread
+        assert not failures and store.written_here == 0 and store.write_error is None
+        await declared(broker, seq, "c")  # the thread's write was fast: the loop again
+        assert store.written_here == 1
 
     with_store(tmp_path, body)
     assert on_disk(tmp_path) == ["a", "b", "c"]

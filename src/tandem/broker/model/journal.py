@@ -204,6 +204,9 @@ class Sequencer:
     def begin_term(self, epoch: int) -> None:
         """This node produces records in `epoch` from now on (a new primary term)."""
         self.epoch = epoch
+        # A full copy may have taken the log back (`reset`): what a waiter needs shipped is
+        # never past the log's end, or it would wait for offsets not made yet.
+        self.last_shipped = min(self.last_shipped, self.offset)
 
     def _next(self) -> int:
         self.offset += 1

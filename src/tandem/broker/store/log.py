@@ -81,7 +81,7 @@ CARRY_LIMIT = 30.0  # seconds: however slowly they are consumed, carried after t
 CARRY_BYTES = 1 << 20  # of a segment carried forward in one turn of the loop
 CHECKPOINT_MAGIC = b"TANDEM-CHECKPOINT-1\n"
 INLINE_BYTES = 16 << 10  # a batch this small is written on the loop when the disk is fast
-INLINE_FSYNC = 0.0005  # seconds: fast, a recent fsync took less
+INLINE_FSYNC = 0.0005  # seconds: fast, recent batches' writes and fsyncs took less
 
 
 @dataclass(slots=True)
@@ -582,15 +582,25 @@ class Store:
         batch.through = self.handed
         self.inflight = batch
         assert self.loop is not None
-        if (
-            self.fsync_recent < INLINE_FSYNC
-            and sum(len(data) for _, data in batch.chunks) <= INLINE_BYTES
-        ):
+        if self._small(batch):
             # After what this turn sends: the records reach the backups, the deliveries
             # their consumers, before the loop waits for the disk.
             self.loop.call_soon(self._write_here, batch)
             return
         self._write_there(batch)
+
+    def _small(self, batch: _Batch) -> bool:
+        """Whether `batch` is written on the loop: a few records appended to segments
+        already open, on a disk whose recent writes were fast. Deleting segments, a new
+        segment (its directory is fsynced) and the epochs file go to the thread."""
+        if self.fsync_recent >= INLINE_FSYNC or batch.deletes or batch.epochs:
+            return False
+        size = 0
+        for seg, data in batch.chunks:
+            if seg not in self.fds:
+                return False
+            size += len(data)
+        return size <= INLINE_BYTES
 
     def _write_there(self, batch: _Batch) -> None:
         assert self.loop is not None
@@ -606,38 +616,42 @@ class Store:
             self._write_there(batch)
             return
         assert self.loop is not None
-        fut: asyncio.Future[float] = self.loop.create_future()
+        fut: asyncio.Future[tuple[float, float] | None] = self.loop.create_future()
         try:
             fut.set_result(self._write_locked(batch))
+            self.written_here += 1
         except Exception as exc:
             fut.set_exception(exc)
         finally:
             self.lock.release()
-        self.written_here += 1
         self._written(batch, fut)
 
-    def _write_batch(self, batch: _Batch) -> float:
+    def _write_batch(self, batch: _Batch) -> tuple[float, float] | None:
         with self.lock:
             return self._write_locked(batch)
 
-    def _write_locked(self, batch: _Batch) -> float:
+    def _write_locked(self, batch: _Batch) -> tuple[float, float] | None:
+        """Write and fsync `batch`; the seconds that writing and fsyncing its records took,
+        and fsyncing alone, or None when it held no records."""
         if batch.generation != self.generation or self.closed:
-            return 0.0  # written for a log that was reset meanwhile, or closed
+            return None  # written for a log that was reset meanwhile, or closed
         if batch.epochs:
             self._write_epochs(batch.epochs)
         touched: dict[int, int] = {}
         groups: dict[int, list[bytes]] = {}
         for seg, data in batch.chunks:
             groups.setdefault(seg, []).append(data)
-        for seg, parts in groups.items():
-            fd = self._fd(seg)
-            _write_all(fd, parts)
-            touched[seg] = fd
+            if seg not in touched:
+                touched[seg] = self._fd(seg)
         start = time.perf_counter()
+        for seg, parts in groups.items():
+            _write_all(touched[seg], parts)
+        synced = time.perf_counter()
         if self.fsync:
             for fd in touched.values():
                 os.fsync(fd)
-        took = time.perf_counter() - start
+        end = time.perf_counter()
+        took = (end - start, end - synced) if touched else None
         for seg, parts in groups.items():
             self.sizes[seg] = self.sizes.get(seg, 0) + sum(len(p) for p in parts)
         for seg in batch.deletes:
@@ -658,7 +672,7 @@ class Store:
             if self.fsync:
                 os.fsync(f.fileno())
 
-    def _written(self, batch: _Batch, fut: asyncio.Future[float]) -> None:
+    def _written(self, batch: _Batch, fut: asyncio.Future[tuple[float, float] | None]) -> None:
         if self.closed:
             return  # the node is stopping; what this batch waited for is not done
         exc = fut.exception()
@@ -674,6 +688,7 @@ class Store:
             )
             self.write_error = exc if isinstance(exc, OSError) else OSError(str(exc))
             self.on_write_error(self.write_error)
+            self.fsync_recent = float("inf")  # tried again on the thread, never on the loop
             # Keep the batch: it goes first when the writer tries again.
             assert self.loop is not None
             self.pending.chunks[:0] = self._unwritten(batch)
@@ -686,13 +701,18 @@ class Store:
         if self.write_error is not None:
             log.warning("the log in %s is writable again", self.dir)
             self.write_error = None
+            self.fsync_recent = INLINE_FSYNC  # as at the start: measured again
             self.on_write_error(None)
         self.inflight = None
         self._synced = max(self._synced, batch.through)
         self.synced_batches += 1
         took = fut.result()
-        self.fsync_recent = 0.8 * self.fsync_recent + 0.2 * took
-        self.fsync_seconds(took)
+        if took is not None:
+            # One slow write sends the next batches to the thread at once; fast ones bring
+            # them back by degrees.
+            recent, fsync = took
+            self.fsync_recent = max(recent, 0.8 * self.fsync_recent + 0.2 * recent)
+            self.fsync_seconds(fsync)
         while self.unwritten and self._on_disk(self.unwritten[0]):
             page = self.unwritten.popleft()
             if self.held_bytes[page.key] > self.page_bytes // 4:  # read back from the log
