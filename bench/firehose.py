@@ -161,21 +161,22 @@ def main() -> int:
         "--workloads", "--modes", default=",".join(WORKLOADS), help="a comma-separated subset"
     )
     args = ap.parse_args()
-    started = ensure_rabbitmq(args.rabbitmq_url)
-    rabbit = [rabbitmq_pid()]
-    tandems = {"tandem": Tandem()}
-    if args.against:
-        tandems["tandem@before"] = Tandem(alone.source_env(args.against))
-    brokers = {name: t.url for name, t in tandems.items()} | {"rabbitmq": args.rabbitmq_url}
-    pids = {name: [t.proc.pid] for name, t in tandems.items()} | {"rabbitmq": rabbit}
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         raise SystemExit(f"no workload {', '.join(sorted(unknown))}; known: {', '.join(WORKLOADS)}")
     modes = {m: WORKLOADS[m] for m in args.workloads.split(",")}
-    print(f"machine: {os.cpu_count()} cores; client: amqplib; runs: {args.runs}")
-    for name, t in tandems.items():
-        print(f"{name}: {alone.build(t.env)}")
-    try:
+    started = ensure_rabbitmq(args.rabbitmq_url)
+    tandems: dict[str, Tandem] = {}
+    try:  # whatever started is stopped, whatever fails to start
+        rabbit = [rabbitmq_pid()]
+        tandems["tandem"] = Tandem()
+        if args.against:
+            tandems["tandem@before"] = Tandem(alone.source_env(args.against))
+        brokers = {name: t.url for name, t in tandems.items()} | {"rabbitmq": args.rabbitmq_url}
+        pids = {name: [t.proc.pid] for name, t in tandems.items()} | {"rabbitmq": rabbit}
+        print(f"machine: {os.cpu_count()} cores; client: amqplib; runs: {args.runs}")
+        for name, t in tandems.items():
+            print(f"{name}: {alone.build(t.env)}")
         results: dict[tuple[str, str], list[float]] = {}
         costs: dict[tuple[str, str], list[float]] = {}
         for mode, (kind, count, publishers, options) in modes.items():

@@ -41,9 +41,11 @@ def main() -> int:
     args = ap.parse_args()
     extra = ("--failover-delay", args.failover_delay)
     failed = False
-    tandems = {"tandem": TandemCluster(3, None, *extra)}
-    rabbit = RabbitCluster()
-    try:
+    tandems: dict[str, TandemCluster] = {}
+    rabbit: RabbitCluster | None = None
+    try:  # whatever started is stopped, whatever fails to start
+        rabbit = RabbitCluster()
+        tandems["tandem"] = TandemCluster(3, None, *extra)
         if args.against:
             tandems["tandem@before"] = TandemCluster(3, alone.source_env(args.against), *extra)
         urls = {n: t.urls[0].removesuffix("/%2F") for n, t in tandems.items()}
@@ -92,7 +94,8 @@ def main() -> int:
     finally:
         for t in tandems.values():
             t.stop(failed)
-        rabbit.stop()
+        if rabbit is not None:
+            rabbit.stop()
     return 0
 
 
