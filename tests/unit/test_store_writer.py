@@ -59,14 +59,14 @@ def on_disk(tmp_path: Path) -> list[str]:
 def test_a_small_batch_on_a_fast_disk_is_written_on_the_loop(tmp_path: Path) -> None:
     async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
         broker.add_vhost("/")
-        store.fsync_recent = 0.0  # a fast disk
+        store.write_recent = 0.0  # a fast disk
         await declared(broker, seq, "a")  # opens a segment and the epochs: the thread
         assert store.written_here == 0
         await declared(broker, seq, "b")
         assert store.written_here == 1
         await declared(broker, seq, "c", size=store_log.INLINE_BYTES)  # too big for the loop
         assert store.written_here == 1
-        store.fsync_recent = 1.0  # a slow disk: a second on the loop is too long
+        store.write_recent = 1.0  # a slow disk: a second on the loop is too long
         await declared(broker, seq, "d")
         assert store.written_here == 1
 
@@ -90,7 +90,7 @@ def test_after_a_failed_write_the_log_is_tried_again_on_the_thread(
     async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
         broker.add_vhost("/")
         await declared(broker, seq, "a")
-        store.fsync_recent = 0.0
+        store.write_recent = 0.0
         monkeypatch.setattr(os, "writev", full)
         await declared(broker, seq, "b")  # fails on the loop, then works on the thread
         assert not failures and store.written_here == 0 and store.write_error is None
@@ -104,7 +104,7 @@ def test_after_a_failed_write_the_log_is_tried_again_on_the_thread(
 def test_a_batch_waits_for_the_thread_while_a_checkpoint_holds_the_log(tmp_path: Path) -> None:
     async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
         broker.add_vhost("/")
-        store.fsync_recent = 0.0
+        store.write_recent = 0.0
         store.lock.acquire()  # as a checkpoint being written does
         broker.vhost("/").declare_queue("a", durable=True)
         done = asyncio.get_running_loop().create_future()

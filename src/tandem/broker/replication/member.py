@@ -159,7 +159,6 @@ class Member:
         self.tg: asyncio.TaskGroup | None = None
         self.pending: list[bytes] = []
         self.pending_start = 0
-        self.pending_end = 0
         self.shipped = 0  # offset of the last record sent to the followers
         self.flush_scheduled = False
         self.lazy: asyncio.TimerHandle | None = None
@@ -207,7 +206,6 @@ class Member:
         if not self.pending:
             self.pending_start = offset
         self.pending.append(data)
-        self.pending_end = offset
         if not self.flush_scheduled and self.loop is not None:
             self.flush_scheduled = True
             self.loop.call_soon(self._flush)
@@ -238,13 +236,16 @@ class Member:
                 assert self.loop is not None
                 self.lazy = self.loop.call_later(LAZY_SECONDS, self._flush, True)
             return
+        self._hold_no_more()
+        frames, self.pending = self.pending, []
+        self.shipped = self.pending_start + len(frames) - 1  # offsets follow one another
+        self._send(self.replica.appended(self.pending_start, frames))
+        self.sequencer.progress()
+
+    def _hold_no_more(self) -> None:
         if self.lazy is not None:
             self.lazy.cancel()
             self.lazy = None
-        frames, self.pending = self.pending, []
-        self.shipped = self.pending_end
-        self._send(self.replica.appended(self.pending_start, frames))
-        self.sequencer.progress()
 
     # -- audit checkpoints --
 
@@ -332,9 +333,7 @@ class Member:
             self.sequencer.shipper = None
             self.pending = []
             self.shipped = 0
-            if self.lazy is not None:
-                self.lazy.cancel()
-                self.lazy = None
+            self._hold_no_more()
             for peer in list(self.copied):  # every copy being made is one of them
                 self._forget(peer)
             self.hooks.demoted(r.epoch)

@@ -81,7 +81,7 @@ CARRY_LIMIT = 30.0  # seconds: however slowly they are consumed, carried after t
 CARRY_BYTES = 1 << 20  # of a segment carried forward in one turn of the loop
 CHECKPOINT_MAGIC = b"TANDEM-CHECKPOINT-1\n"
 INLINE_BYTES = 16 << 10  # a batch this small is written on the loop when the disk is fast
-INLINE_FSYNC = 0.0005  # seconds: fast, recent batches' writes and fsyncs took less
+INLINE_SECONDS = 0.0005  # fast: recent batches' writes and fsyncs took less
 
 
 @dataclass(slots=True)
@@ -184,7 +184,7 @@ class Store:
         self.lock = threading.Lock()
         self.synced_batches = 0
         self.fsync_seconds: Callable[[float], None] = lambda s: None
-        self.fsync_recent = INLINE_FSYNC  # moving average; the first batches go to the thread
+        self.write_recent = INLINE_SECONDS  # moving average; the first batches go to the thread
         self.written_here = 0  # batches written on the loop (`_write_here`)
         self.sizes: dict[int, int] = {}  # bytes of each segment known to be written
         self.grouped: collections.deque[int] = collections.deque()  # replay: records' places
@@ -593,7 +593,7 @@ class Store:
         """Whether `batch` is written on the loop: a few records appended to segments
         already open, on a disk whose recent writes were fast. Deleting segments, a new
         segment (its directory is fsynced) and the epochs file go to the thread."""
-        if self.fsync_recent >= INLINE_FSYNC or batch.deletes or batch.epochs:
+        if self.write_recent >= INLINE_SECONDS or batch.deletes or batch.epochs:
             return False
         size = 0
         for seg, data in batch.chunks:
@@ -608,10 +608,10 @@ class Store:
         fut.add_done_callback(lambda f: self._written(batch, f))
 
     def _write_here(self, batch: _Batch) -> None:
-        """Write and fsync a small batch on the loop itself, the disk being fast: under a
-        light load (a publisher waiting for each confirm) handing it to the writer thread and
-        back costs more than the write does, in thread switches. A bigger batch, a slow disk
-        or a checkpoint being written goes to the thread."""
+        """Write and fsync a small batch (`_small`) on the loop itself: under a light load
+        (a publisher waiting for each confirm) handing it to the writer thread and back
+        costs more than the write does, in thread switches. While a checkpoint being written
+        holds the log, it goes to the thread."""
         if not self.lock.acquire(blocking=False):
             self._write_there(batch)
             return
@@ -646,12 +646,12 @@ class Store:
         start = time.perf_counter()
         for seg, parts in groups.items():
             _write_all(touched[seg], parts)
-        synced = time.perf_counter()
+        written = time.perf_counter()
         if self.fsync:
             for fd in touched.values():
                 os.fsync(fd)
         end = time.perf_counter()
-        took = (end - start, end - synced) if touched else None
+        took = (end - start, end - written) if touched else None
         for seg, parts in groups.items():
             self.sizes[seg] = self.sizes.get(seg, 0) + sum(len(p) for p in parts)
         for seg in batch.deletes:
@@ -688,7 +688,7 @@ class Store:
             )
             self.write_error = exc if isinstance(exc, OSError) else OSError(str(exc))
             self.on_write_error(self.write_error)
-            self.fsync_recent = float("inf")  # tried again on the thread, never on the loop
+            self.write_recent = float("inf")  # tried again on the thread, never on the loop
             # Keep the batch: it goes first when the writer tries again.
             assert self.loop is not None
             self.pending.chunks[:0] = self._unwritten(batch)
@@ -701,7 +701,7 @@ class Store:
         if self.write_error is not None:
             log.warning("the log in %s is writable again", self.dir)
             self.write_error = None
-            self.fsync_recent = INLINE_FSYNC  # as at the start: measured again
+            self.write_recent = INLINE_SECONDS  # as at the start: measured again
             self.on_write_error(None)
         self.inflight = None
         self._synced = max(self._synced, batch.through)
@@ -711,7 +711,7 @@ class Store:
             # One slow write sends the next batches to the thread at once; fast ones bring
             # them back by degrees.
             recent, fsync = took
-            self.fsync_recent = max(recent, 0.8 * self.fsync_recent + 0.2 * recent)
+            self.write_recent = max(recent, 0.8 * self.write_recent + 0.2 * recent)
             self.fsync_seconds(fsync)
         while self.unwritten and self._on_disk(self.unwritten[0]):
             page = self.unwritten.popleft()
