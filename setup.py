@@ -49,11 +49,16 @@ COMPILED = [
 
 # The commands that build: pip reads setup.py for the metadata too (egg_info, dist_info).
 _BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "install", "develop"}
+# Those that build into the tree, where an earlier build's modules may be current.
+_IN_PLACE = {"editable_wheel", "develop", "--inplace"}
 
 
 @functools.cache
 def _extensions() -> list[object]:
     if os.environ.get("TANDEM_COMPILE", "1") == "0" or not _BUILDS & set(sys.argv):
+        return []
+    if _IN_PLACE & set(sys.argv) and _compiled_already():
+        print("tandem: the compiled modules are of the sources as they are; not compiling")
         return []
     try:
         from mypyc.build import mypycify
@@ -106,6 +111,21 @@ class _BuildExt(build_ext):
             for lib in where.glob("tandem__mypyc*"):
                 if lib.stat().st_mtime >= self.started:
                     os.utime(lib, (self.started, self.started))
+
+
+def _compiled_already() -> bool:
+    """An editable install run again (the README's first command is `pip install -e` then
+    `tandem cluster up`) finds the tree's compiled modules current: each one's extension and
+    the group's library are there, and no source, nor setup.py or pyproject.toml, is newer
+    than the library, which is dated when mypyc read the sources (`run`). Any edit compiles
+    them all again, as `tandem._compiled` would otherwise not use them."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    group = Path("src", "tandem__mypyc" + suffix)
+    if not group.exists() or not all(Path(m).with_suffix(suffix).exists() for m in COMPILED):
+        return False
+    built = group.stat().st_mtime
+    inputs = [Path("setup.py"), Path("pyproject.toml"), *Path("src", "tandem").rglob("*.py")]
+    return all(path.stat().st_mtime <= built for path in inputs)
 
 
 def _each_on_its_own(compile_c: Callable[..., list[str]]) -> Callable[..., list[str]]:
