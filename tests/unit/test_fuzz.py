@@ -19,7 +19,7 @@ from tandem.broker.model.auth import Permission
 from tandem.broker.model.broker import Broker
 from tandem.broker.protocol.connection import FEED_FRAMES, Connection
 
-EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "10000"))
+EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "6000"))
 
 
 class FakeTransport:
