@@ -1,5 +1,6 @@
-"""The differential test in CI (issue 14): a few hundred sequences of what RabbitMQ users do,
-each followed by kill -9 and a restart, and the state compared exact to the byte.
+"""The differential test in CI (issue 14): sequences of what RabbitMQ users do (100, 40 with
+paging and checkpoints, 40 through a cluster), each followed by kill -9 and a restart, and
+the state compared exact to the byte. Longer runs:
 
     DIFFERENTIAL_COUNT=10000 python3 -m pytest tests/differential -s
     python -m tests.differential --seed N --count M
@@ -14,7 +15,7 @@ import pytest
 
 from tests.differential import harness
 
-COUNT = int(os.environ.get("DIFFERENTIAL_COUNT", "150"))
+COUNT = int(os.environ.get("DIFFERENTIAL_COUNT", "100"))
 
 
 @pytest.mark.timeout(60 + 3 * COUNT)
@@ -24,7 +25,7 @@ def test_a_restart_brings_back_exactly_what_a_client_left(tmp_path: Path) -> Non
     assert figures["sequences"] >= COUNT and figures["operations"] > figures["refused"]
 
 
-PAGED_COUNT = int(os.environ.get("DIFFERENTIAL_PAGED_COUNT", "60"))
+PAGED_COUNT = int(os.environ.get("DIFFERENTIAL_PAGED_COUNT", "40"))
 
 
 @pytest.mark.timeout(60 + 3 * PAGED_COUNT)
