@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import signal
 import time
@@ -168,12 +169,17 @@ def run(
     """`count` sequences against one lone broker (or, with `cluster`, one 3-member local
     cluster whose primary is killed after every `kill_every`-th sequence); raises the
     shortest failing sequence's error (the first one found, without `shrink`); `config`: the
-    lone broker's settings. Returns
+    broker's (or each member's) settings. Returns
     figures: sequences, operations, refusals, failovers."""
     target: Broker | LocalCluster
     if cluster:
         (root / "cluster").mkdir(parents=True, exist_ok=True)
-        target = LocalCluster(root / "cluster" / "data").start()
+        args: list[str] = []
+        if config:
+            path = root / "cluster" / "tandem.yaml"
+            path.write_text(json.dumps(config))  # JSON is YAML
+            args = ["--config", str(path)]
+        target = LocalCluster(root / "cluster" / "data", 3, *args).start()
     else:
         target = Broker(root / "node", config).start()
     figures = {"sequences": 0, "operations": 0, "refused": 0, "failovers": 0}

@@ -263,8 +263,10 @@ def test_a_member_stops_at_a_corrupt_record_and_takes_the_rest_from_the_primary(
     cluster: Cluster,
 ) -> None:
     """In a cluster a corrupt record is not skipped: the member keeps its log up to it, sets
-    the rest aside, says so, and is whole again only from the primary's copy."""
-    a, b = cluster.add("a", segment_bytes=8192), cluster.add("b", segment_bytes=8192)
+    the rest aside, says so, and is whole again only from the primary's copy. (No
+    checkpoint: the whole log is replayed, as after a crash before the first one.)"""
+    a = cluster.add("a", segment_bytes=8192)
+    b = cluster.add("b", segment_bytes=8192, checkpoint_records=0)
     cluster.promote("a", 1, ["a", "b"])
     cluster.follow("b", "a", 1)
     publish(a, "q", 300)
@@ -278,6 +280,30 @@ def test_a_member_stops_at_a_corrupt_record_and_takes_the_rest_from_the_primary(
     assert "the rest comes from the primary" in b.log()
     assert list((b.data_dir / "log").glob("*.seg.bad"))
     assert b.status()["whole"] is False
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 1, start=300)  # confirmed: b holds everything again
+    assert b.queue("q")["depth"] == 301 and b.status()["whole"] is True
+
+
+def test_a_corrupt_record_a_members_checkpoint_names_comes_back_from_the_primary(
+    cluster: Cluster,
+) -> None:
+    """A member's clean stop writes a checkpoint; a message it names whose record is
+    corrupt at the next start is left out and said so, and the primary's copy brings it
+    back: the member is whole again with every message."""
+    a, b = cluster.add("a", segment_bytes=8192), cluster.add("b", segment_bytes=8192)
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 300)
+    b.stop()
+    assert (b.data_dir / "log" / "checkpoint").exists()
+    segments = sorted((b.data_dir / "log").glob("*.seg"))
+    data = bytearray(segments[1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    segments[1].write_bytes(bytes(data))
+    b.start()
+    assert "the primary sends it" in b.log() and "a checkpoint naming 299" in b.log()
+    assert b.queue("q")["depth"] == 299 and b.status()["whole"] is False
     cluster.follow("b", "a", 1)
     publish(a, "q", 1, start=300)  # confirmed: b holds everything again
     assert b.queue("q")["depth"] == 301 and b.status()["whole"] is True

@@ -156,7 +156,7 @@ def test_pages_of_a_queue_deleted_and_declared_again_in_the_log_are_released(
 def test_a_requeued_flag_replayed_survives_the_next_checkpoint(tmp_path: Path) -> None:
     write_log(tmp_path, declare(), enqueue(2), enqueue(3), keyed(records.MARK, 2))
     store, _broker = recover(tmp_path, checkpoint_records=1)
-    store._write_checkpoint(store._checkpoint_bytes(), 1, store.generation)
+    store._write_checkpoint(store._captured(), 1, store.generation)
     store.close()
     store, broker = recover(tmp_path, checkpoint_records=1)
     q = broker.vhost("/").queues["q"]

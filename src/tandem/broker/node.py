@@ -115,7 +115,7 @@ class Node:
                 segment_bytes=cfg.segment_bytes,
                 # A lone node pages its deep queues; a cluster member keeps them in memory.
                 page_bytes=self._queue_memory() if cfg.replication_port is None else 0,
-                checkpoint_records=cfg.checkpoint_records if cfg.replication_port is None else 0,
+                checkpoint_records=cfg.checkpoint_records,
             )
         self.sequencer = Sequencer(self.store)
         self.broker = Broker(self.sequencer)

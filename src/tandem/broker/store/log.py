@@ -766,65 +766,55 @@ class Store:
 
     def checkpoint(self) -> None:
         """Take a checkpoint of the state now; written once every record it names is on
-        disk."""
+        disk. What it names is captured here, on the loop, in a few C-speed copies; its bytes
+        are made on the writer's thread, which gives the loop its turn as it goes: with a
+        million messages in memory (a cluster member's queues), made here they held the loop
+        2.5 s."""
         self.checkpoint_scheduled = False
         self.since_checkpoint = 0
         if self.broker is None or self.sequencer is None or self.loop is None or self.closed:
             return
         self.checkpoints_made += 1
-        data, number, generation = self._checkpoint_bytes(), self.checkpoints_made, self.generation
+        state, number, generation = self._captured(), self.checkpoints_made, self.generation
         loop = self.loop
 
         def write() -> None:
-            loop.run_in_executor(None, self._write_checkpoint, data, number, generation)
+            loop.run_in_executor(None, self._write_checkpoint, state, number, generation)
 
         self.when_synced(write)
 
-    def _checkpoint_bytes(self) -> bytes:
+    def _captured(self) -> _Captured:
         assert self.broker is not None and self.sequencer is not None
         sequencer = self.sequencer
-        by_queue: dict[tuple[str, str], list[tuple[int, int]]] = {}
-        for (vhost, queue, mid), at in self.where.items():
-            by_queue.setdefault((vhost, queue), []).append((mid, at))
-        queues = []
-        for key, pages in self.pages.items():
-            for page in pages:
-                if page.only is not None:  # written as the messages it holds, as it was read
-                    by_queue.setdefault(key, []).extend(page.only.items())
-        for key in by_queue.keys() | self.pages.keys():
-            held = by_queue.get(key, [])
-            queues.append(
-                {
-                    "vhost": key[0],
-                    "queue": key[1],
-                    # Ids as (offset, epoch) and places, as arrays: a queue's head may hold
-                    # a hundred thousand messages.
-                    "offsets": _packed("Q", [records.mid_offset(mid) for mid, _at in held]),
-                    "epochs": _packed("L", [records.mid_epoch(mid) for mid, _at in held]),
-                    "at": _packed("Q", [at for _mid, at in held]),
-                    "pages": [
-                        [p.count, p.body_bytes, p.first_mid, p.last_mid, p.extents, p.segs]
-                        for p in self.pages.get(key, ())
-                        if p.only is None
-                    ],
-                }
+        pages = [
+            (
+                key,
+                [
+                    (p.count, p.body_bytes, p.first_mid, p.last_mid, [*p.extents], dict(p.segs))
+                    for p in key_pages
+                    if p.only is None
+                ],
+                [dict(p.only) for p in key_pages if p.only is not None],
             )
-        body = {
+            for key, key_pages in self.pages.items()
+        ]
+        head = {
             "epoch": sequencer.epoch,
             "offset": sequencer.offset,
-            "boundaries": sequencer.boundaries,
+            "boundaries": [*sequencer.boundaries],
             "resume": [self.active, self.active_size],
             "definitions": base64.b64encode(
                 records.encode_body(apply.durable_definitions(self.broker))
             ).decode(),
-            "queues": queues,
             "marked": [list(k) for k in self.marked],
-            "enqueued": self.enqueued,
+            "enqueued": dict(self.enqueued),
         }
-        text = json.dumps(body, separators=(",", ":")).encode()
-        return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
+        return _Captured(head, [dict(shard) for shard in self.where.shards], pages)
 
-    def _write_checkpoint(self, data: bytes, number: int, generation: int) -> None:
+    def _write_checkpoint(self, state: _Captured, number: int, generation: int) -> None:
+        if generation != self.generation or number <= self.checkpoint_written:
+            return
+        data = _checkpoint_bytes(state)  # without the lock: the writer goes on meanwhile
         with self.lock:
             if generation != self.generation or number <= self.checkpoint_written:
                 return  # the log was reset since, or a newer checkpoint is written already
@@ -860,10 +850,17 @@ class Store:
         return body
 
     def _load_checkpoint(
-        self, body: dict[str, Any], broker: Broker, sequencer: Sequencer, result: Recovered
+        self,
+        body: dict[str, Any],
+        broker: Broker,
+        sequencer: Sequencer,
+        result: Recovered,
+        stop_at_corrupt: bool,
     ) -> int:
         """Make the state the checkpoint names; returns the messages it named that are in
-        memory now or in pages."""
+        memory now or in pages. A message whose record is corrupt is left out: a lone node
+        says it skipped it; a cluster member, whose state after a restart is not whole until
+        the primary sent what it lacks, gets it back from the primary."""
         sequencer.boundaries = [(e, o) for e, o in body["boundaries"]]
         sequencer.offset = body["offset"]
         sequencer.epoch = max(sequencer.epoch, body["epoch"])
@@ -909,7 +906,10 @@ class Store:
                 problem = records.problem_at(data, pos)
                 if problem is not None:
                     corrupt = Corruption(str(path), pos, problem)
-                    log.error("corrupt record in the log, skipped: %s", corrupt)
+                    if stop_at_corrupt:
+                        log.error("corrupt record in the log; the primary sends it: %s", corrupt)
+                    else:
+                        log.error("corrupt record in the log, skipped: %s", corrupt)
                     result.corrupt.append(corrupt)
                     continue
                 payload = records.read_at(data, pos)[3]
@@ -1007,7 +1007,7 @@ class Store:
         grouper = records.Grouper()
         if self.checkpoint_records:
             checkpoint = self._read_checkpoint()
-        else:  # a cluster member's log may be replaced: an old checkpoint would not fit it
+        else:  # checkpoints off: one from before would not follow what the log does now
             (self.dir / "checkpoint").unlink(missing_ok=True)
             checkpoint = None
         sequencer.applying = self.recovering = True
@@ -1018,7 +1018,7 @@ class Store:
                     self.sizes[int(path.stem)] = path.stat().st_size
                 try:
                     result.from_checkpoint = self._load_checkpoint(
-                        checkpoint, broker, sequencer, result
+                        checkpoint, broker, sequencer, result, stop_at_corrupt
                     )
                     resume_seg, resume_pos = checkpoint["resume"]
                 except apply.NotApplied as exc:
@@ -1223,7 +1223,7 @@ class Store:
             and not self.pending.chunks
         ):
             self.checkpoints_made += 1
-            self._write_checkpoint(self._checkpoint_bytes(), self.checkpoints_made, self.generation)
+            self._write_checkpoint(self._captured(), self.checkpoints_made, self.generation)
         if self.look_again is not None:
             self.look_again.cancel()
         with self.lock:
@@ -1241,6 +1241,66 @@ class Store:
             "position": self.handed,
             "synced": self.synced,
         }
+
+
+@dataclass
+class _Captured:
+    """What a checkpoint names, as the loop saw it: the small parts as they are written, the
+    `where` index's shards and the pages copied."""
+
+    head: dict[str, Any]
+    where: list[dict[tuple[str, str, int], int]]
+    # (queue, its pages as (count, body bytes, first, last, extents, segments), the
+    # messages of each page made from a checkpoint: id -> place)
+    pages: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]]
+
+
+YIELD_EVERY = 1 << 16  # messages between two turns given to the loop (`_checkpoint_bytes`)
+
+
+def _checkpoint_bytes(state: _Captured) -> bytes:
+    """A checkpoint's bytes, on the writer's thread. Compiled code never gives up the GIL by
+    itself: every YIELD_EVERY messages it sleeps for no time, which hands the loop the GIL
+    if it waits for it."""
+    by_queue: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
+    count = 0
+    for shard in state.where:
+        for (vhost, queue, mid), at in shard.items():
+            held = by_queue.get((vhost, queue))
+            if held is None:
+                held = by_queue[(vhost, queue)] = ([], [], [])
+            held[0].append(records.mid_offset(mid))
+            held[1].append(records.mid_epoch(mid))
+            held[2].append(at)
+            count += 1
+            if count % YIELD_EVERY == 0:
+                time.sleep(0)
+    pages: dict[tuple[str, str], list[Any]] = {}
+    for key, key_pages, only in state.pages:
+        pages[key] = key_pages
+        held = by_queue.setdefault(key, ([], [], []))
+        for page in only:  # written as the messages it holds, as it was read
+            for mid, at in page.items():
+                held[0].append(records.mid_offset(mid))
+                held[1].append(records.mid_epoch(mid))
+                held[2].append(at)
+    queues = []
+    for key, (offsets, epochs, places) in by_queue.items():
+        time.sleep(0)
+        queues.append(
+            {
+                "vhost": key[0],
+                "queue": key[1],
+                # Ids as (offset, epoch) and places, as arrays: a queue may hold millions.
+                "offsets": _packed("Q", offsets),
+                "epochs": _packed("L", epochs),
+                "at": _packed("Q", places),
+                "pages": pages.get(key, []),
+            }
+        )
+    body = {**state.head, "queues": queues}
+    text = json.dumps(body, separators=(",", ":")).encode()
+    return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
 
 
 def _packed(typecode: str, values: list[int]) -> str:
