@@ -269,16 +269,19 @@ def test_a_closed_store_writes_nothing_more_and_raises_nothing(tmp_path: Path) -
     assert sorted(p.name for p in (tmp_path / "log").glob("*.seg")) == [seg.name]
 
 
-def test_a_checkpoint_naming_many_messages_waits_for_as_many_records(tmp_path: Path) -> None:
+def test_a_checkpoint_naming_many_messages_waits_for_a_quarter_as_many_records(
+    tmp_path: Path,
+) -> None:
     """A checkpoint costs in proportion to the messages it names: after one that named more
-    messages in memory than checkpoint_records, the next waits for as many records."""
-    write_log(tmp_path, declare(), *[enqueue(i) for i in range(1, 11)])
+    than four times checkpoint_records messages in memory, the next waits for a quarter as
+    many records."""
+    write_log(tmp_path, declare(), *[enqueue(i) for i in range(1, 41)])
     store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=4)
-    assert len(store.where) == 10  # no budget: every message in memory
+    assert len(store.where) == 40  # no budget: every message in memory
     store.checkpoint()  # as the start schedules after replaying more than 4 records
     assert store.checkpoint_due == 10
-    for i in range(11, 20):
+    for i in range(41, 50):
         store.write(records.ENQUEUE, i, enqueue(i), ("/", "q", records.mid(1, i)))
         assert not store.checkpoint_scheduled
-    store.write(records.ENQUEUE, 20, enqueue(20), ("/", "q", records.mid(1, 20)))
+    store.write(records.ENQUEUE, 50, enqueue(50), ("/", "q", records.mid(1, 50)))
     assert store.checkpoint_scheduled  # the tenth record since
