@@ -285,6 +285,39 @@ def test_a_member_stops_at_a_corrupt_record_and_takes_the_rest_from_the_primary(
     assert b.queue("q")["depth"] == 301 and b.status()["whole"] is True
 
 
+def test_a_deleted_vhosts_messages_do_not_come_back_in_a_queue_of_the_same_name(
+    cluster: Cluster,
+) -> None:
+    """A vhost deleted and made again on the primary: the backup's next checkpoint names
+    none of the old queue's messages, which its next start would otherwise put into the new
+    queue of the same name."""
+    a, b = cluster.pair()
+    everything = {"configure": ".*", "write": ".*", "read": ".*"}
+    assert a.http("PUT", "/api/vhosts/v")[0] in (201, 204)
+    assert a.http("PUT", "/api/permissions/v/guest", everything)[0] in (201, 204)
+    url = a.url(vhost="v")
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.queue_declare("q", durable=True)
+    ch.confirm_delivery()
+    for i in range(20):
+        ch.basic_publish("", "q", str(i).encode(), pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    assert a.http("DELETE", "/api/vhosts/v")[0] in (200, 204)
+    assert a.http("PUT", "/api/vhosts/v")[0] in (201, 204)
+    assert a.http("PUT", "/api/permissions/v/guest", everything)[0] in (201, 204)
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.queue_declare("q", durable=True)
+    ch.confirm_delivery()
+    ch.basic_publish("", "q", b"new", pika.BasicProperties(delivery_mode=2))  # b holds it
+    conn.close()
+    b.stop()  # a clean stop: a checkpoint
+    b.start()
+    assert "a checkpoint naming 1," in b.log()
+    assert b.queue("q", vhost="v")["depth"] == 1
+
+
 def test_a_corrupt_record_a_members_checkpoint_names_comes_back_from_the_primary(
     cluster: Cluster,
 ) -> None:

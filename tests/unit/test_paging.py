@@ -285,3 +285,16 @@ def test_a_checkpoint_naming_many_messages_waits_for_a_quarter_as_many_records(
         assert not store.checkpoint_scheduled
     store.write(records.ENQUEUE, 50, enqueue(50), ("/", "q", records.mid(1, 50)))
     assert store.checkpoint_scheduled  # the tenth record since
+
+
+def test_a_queue_deleted_without_a_record_is_forgotten_by_the_store(tmp_path: Path) -> None:
+    """A copy's definitions delete a backup's queue without a record of its own: the store
+    forgets its messages once told (`forget_gone`), so that no checkpoint names them."""
+    write_log(tmp_path, declare(), *[enqueue(i) for i in range(1, 4)])
+    store, broker = recover(tmp_path, page_bytes=0)
+    assert len(store.where) == 3
+    store.forget_gone()
+    assert len(store.where) == 3  # the queue is there: nothing to forget
+    broker.vhost("/").queues.pop("q")
+    store.forget_gone()
+    assert len(store.where) == 0 and not store.pages

@@ -275,6 +275,8 @@ class BrokerLog:
             store.write(rtype, offset, data, key)
         if not self._dropped(rtype, payload):
             self._apply(epoch, offset, rtype, payload)
+        if store is not None and rec is not None and rec["op"] == "vhost.delete":
+            store.forget_gone()
         if rtype == records.CHECKPOINT and rec is not None:
             self.on_checkpoint(epoch, offset, rec.get("body") or {})
         elif rec is not None and rec.get("op") == "auth":
@@ -339,6 +341,8 @@ class BrokerLog:
         diverged = core.agreement(self.boundaries(), self.end, boundaries, end) < self.end
         store = self.store
         self._apply_copy(frames)
+        if store is not None:
+            store.forget_gone()  # the queues the copy's definitions deleted
         self.sequencer.reset(boundaries, end)
         if store is not None and diverged:
             store.reset(list(boundaries))

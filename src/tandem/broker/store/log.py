@@ -239,6 +239,19 @@ class Store:
         for page in list(self.pages.get((vhost, queue), ())):
             self.page_drop(page)
 
+    def forget_gone(self) -> None:
+        """Forget the messages of every durable queue the broker no longer has. A backup
+        calls it after applying a vhost's deletion or a copy's definitions, which delete
+        queues without a record of each: a checkpoint must not name their messages, which a
+        later queue of the same name would take back at the next start."""
+        assert self.broker is not None
+        vhosts = self.broker.vhosts
+        for vhost, queue in {(k[0], k[1]) for k in self.where} | self.pages.keys():
+            vh = vhosts.get(vhost)
+            q = vh.queues.get(queue) if vh is not None else None
+            if q is None or not q.durable:
+                self.forget_queue(vhost, queue)
+
     def page_drop(self, page: Page) -> None:
         """A page's messages are gone with their queue (Journal.page_drop)."""
         pages = self.pages.get(page.key)
@@ -384,6 +397,7 @@ class Store:
         self.pending.deletes.clear()
         self.pending.epochs.clear()
         self.pending.generation = self.generation
+        self.checkpoint_due = self.checkpoint_records
         self.where.clear()
         self.pages.clear()
         self.pinned.clear()
@@ -826,8 +840,8 @@ class Store:
             return
         data = _checkpoint_bytes(state)  # without the lock: the writer goes on meanwhile
         with self.lock:
-            if generation != self.generation or number <= self.checkpoint_written:
-                return  # the log was reset since, or a newer checkpoint is written already
+            if self.closed or generation != self.generation or number <= self.checkpoint_written:
+                return  # stopped, the log reset since, or a newer checkpoint written already
             replace_file(self.dir / "checkpoint", data, durable=self.fsync)
             self.checkpoint_written = number
 
