@@ -57,7 +57,7 @@ _IN_PLACE = {"editable_wheel", "develop", "--inplace"}
 def _extensions() -> list[object]:
     if os.environ.get("TANDEM_COMPILE", "1") == "0" or not _BUILDS & set(sys.argv):
         return []
-    if _IN_PLACE & set(sys.argv) and _compiled_already():
+    if _IN_PLACE & set(sys.argv) and not {"--force", "-f"} & set(sys.argv) and _compiled_already():
         print("tandem: the compiled modules are of the sources as they are; not compiling")
         return []
     try:
