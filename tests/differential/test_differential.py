@@ -1,4 +1,4 @@
-"""The differential test in CI (issue 14): sequences of what RabbitMQ users do (100, 40 with
+"""The differential test in CI (issue 14): sequences of what RabbitMQ users do (80, 40 with
 paging and checkpoints, 40 through a cluster), each followed by kill -9 and a restart, and
 the state compared exact to the byte. Longer runs:
 
@@ -15,7 +15,7 @@ import pytest
 
 from tests.differential import harness
 
-COUNT = int(os.environ.get("DIFFERENTIAL_COUNT", "100"))
+COUNT = int(os.environ.get("DIFFERENTIAL_COUNT", "80"))
 
 
 @pytest.mark.timeout(60 + 3 * COUNT)
