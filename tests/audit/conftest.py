@@ -15,5 +15,9 @@ def spark() -> Iterator[SparkSession]:
     # The tests' frames are a few rows: one shuffle partition, no re-planning.
     s.conf.set("spark.sql.shuffle.partitions", "1")
     s.conf.set("spark.sql.adaptive.enabled", "false")
+    # Interpreted, not compiled to Java: each query runs once on a few rows, and compiling
+    # its stages cost more than running them.
+    s.conf.set("spark.sql.codegen.wholeStage", "false")
+    s.conf.set("spark.sql.codegen.factoryMode", "NO_CODEGEN")
     yield s
     s.stop()
