@@ -275,8 +275,6 @@ class BrokerLog:
             store.write(rtype, offset, data, key)
         if not self._dropped(rtype, payload):
             self._apply(epoch, offset, rtype, payload)
-        if store is not None and rec is not None and rec["op"] == "vhost.delete":
-            store.forget_gone()
         if rtype == records.CHECKPOINT and rec is not None:
             self.on_checkpoint(epoch, offset, rec.get("body") or {})
         elif rec is not None and rec.get("op") == "auth":

@@ -233,24 +233,32 @@ class Store:
                 self.loop.call_soon(self.checkpoint)  # once the change under way is whole
 
     def forget_queue(self, vhost: str, queue: str) -> None:
-        for key in [k for k in self.where if k[0] == vhost and k[1] == queue]:
-            self.segments[self.where.pop(key) >> AT_BITS] -= 1
-            self.marked.discard(key)
-        for page in list(self.pages.get((vhost, queue), ())):
-            self.page_drop(page)
+        self._forget({(vhost, queue)})
 
     def forget_gone(self) -> None:
         """Forget the messages of every durable queue the broker no longer has. A backup
-        calls it after applying a vhost's deletion or a copy's definitions, which delete
-        queues without a record of each: a checkpoint must not name their messages, which a
-        later queue of the same name would take back at the next start."""
+        calls it after applying a copy's definitions, which delete queues without a record
+        of each: a checkpoint must not name their messages, which a later queue of the same
+        name would take back at the next start."""
         assert self.broker is not None
         vhosts = self.broker.vhosts
+        gone = set()
         for vhost, queue in {(k[0], k[1]) for k in self.where} | self.pages.keys():
             vh = vhosts.get(vhost)
             q = vh.queues.get(queue) if vh is not None else None
             if q is None or not q.durable:
-                self.forget_queue(vhost, queue)
+                gone.add((vhost, queue))
+        if gone:
+            self._forget(gone)
+
+    def _forget(self, queues: set[tuple[str, str]]) -> None:
+        """The messages of `queues` are no longer live: one pass over the index."""
+        for key in [k for k in self.where if (k[0], k[1]) in queues]:
+            self.segments[self.where.pop(key) >> AT_BITS] -= 1
+            self.marked.discard(key)
+        for name in queues:
+            for page in list(self.pages.get(name, ())):
+                self.page_drop(page)
 
     def page_drop(self, page: Page) -> None:
         """A page's messages are gone with their queue (Journal.page_drop)."""
