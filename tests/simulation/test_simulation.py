@@ -18,7 +18,7 @@ def _scaled(shapes: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
     return [(nodes, isr_min, max(1, round(n * SCALE))) for nodes, isr_min, n in shapes]
 
 
-# (members, ISR minimum, schedules): 4,500 in all, about a minute and a half here.
+# (members, ISR minimum, schedules): 4,500 in all, about 50 seconds here.
 SHAPES = _scaled([(3, 2, 2500), (4, 2, 700), (5, 3, 500), (3, 1, 400), (2, 1, 400)])
 
 
