@@ -6,7 +6,8 @@ reader. The follower's connection is a recording writer; everything else is real
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from pamqp import commands
@@ -16,6 +17,7 @@ from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.message import Message
 from tandem.broker.replication import core, member, wire
+from tandem.broker.store.log import Store
 from tandem.ha.model import ElectionRecord
 
 
@@ -95,6 +97,14 @@ def publish(q: object) -> None:
     q.enqueue(msg)  # type: ignore[attr-defined]
 
 
+async def until(done: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if done():
+            return
+        await asyncio.sleep(0.005)
+    pytest.fail("not within 5 s")
+
+
 async def copy_made(m: member.Member) -> None:
     await m.copying["b"].made  # its callback, registered first, has run
 
@@ -153,5 +163,57 @@ def test_a_copy_made_for_a_primary_that_stepped_down_is_not_sent(slow_bytes: int
         m.fence(2)  # a higher epoch: no longer the primary
         await made
         assert follower.data == b"" and m.copying == {} and m.copied == {}
+
+    asyncio.run(run())
+
+
+class Primary(Follower):
+    """A backup's end of its link to the primary: each ack it sends, with how far the
+    backup's store had synced when it went."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__()
+        self.store = store
+        self.acks: list[tuple[int, int]] = []  # (offset acked, offset on disk)
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        msg = wire.decode(data)
+        if isinstance(msg, core.Ack):
+            self.acks.append((msg.offset, self.store.synced))
+
+
+def test_a_backup_acks_records_only_once_they_are_on_its_disk(tmp_path: Path) -> None:
+    """Records that arrive while the batch before them is being written are acked once
+    they are written too, not when that batch is (rule 3)."""
+
+    async def run() -> None:
+        a, to_b, b_primary = primary_with_follower()
+        seq = Sequencer()
+        broker = Broker(seq)
+        store = Store(tmp_path, fsync=False)
+        seq.disk = store
+        store.open(broker, seq, asyncio.get_running_loop())
+        b = member.Member("b", broker, seq, store, Hooks(), key=b"k" * 16, data_dir=None, isr_min=1)
+        b.loop = asyncio.get_running_loop()
+        upstream = Primary(store)
+        b.upstream = upstream  # type: ignore[assignment]
+        b._control(core.Follow("a", 1))
+        a.on_peer(wire.decode(upstream.data))  # its Hello: a Sync of the 50 messages
+        b.on_peer(wire.decode(to_b.data))
+        assert b.replica.synced
+        await until(lambda: not b.ack_scheduled)  # the copy written, and acked
+        store.write_recent = 1.0  # batches go to the writer's thread
+        q = b_primary.vhost("/").queues["q"]
+        with store.lock:  # the writer is held mid-batch (as by a slow disk)
+            for _ in range(2):
+                sent = len(to_b.data)
+                publish(q)
+                a._flush(due=True)
+                b.on_peer(wire.decode(to_b.data[sent:]))
+                await asyncio.sleep(0)  # the first goes to the writer, the second waits
+        await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == b.log.end)
+        store.close()
+        assert all(acked <= synced for acked, synced in upstream.acks), upstream.acks
 
     asyncio.run(run())

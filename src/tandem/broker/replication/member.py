@@ -162,7 +162,9 @@ class Member:
         self.shipped = 0  # offset of the last record sent to the followers
         self.flush_scheduled = False
         self.lazy: asyncio.TimerHandle | None = None
-        self.ack: tuple[str, core.Ack] | None = None
+        # The newest ack to send, with the store's last record then: it goes once that is on
+        # disk.
+        self.ack: tuple[str, core.Ack, int] | None = None
         # Followers whose copy is being made on another thread: what else goes to them
         # meanwhile is held and sent after it, in the order the core meant.
         self.copying: dict[str, _Making] = {}
@@ -364,7 +366,7 @@ class Member:
     def _send(self, outs: Sequence[core.Out]) -> None:
         for dest, msg in outs:
             if isinstance(msg, core.Ack) and self.store is not None:
-                self.ack = (dest, msg)  # sent once what it acks is on disk
+                self.ack = (dest, msg, self.store.handed)  # sent once that is on disk
                 if not self.ack_scheduled:
                     self.ack_scheduled = True
                     self.store.when_synced(self._send_ack)
@@ -408,11 +410,17 @@ class Member:
             self._write(dest, data)
 
     def _send_ack(self) -> None:
-        self.ack_scheduled = False
-        if self.ack is not None:
-            dest, msg = self.ack
+        if self.ack is not None and self.store is not None:
+            dest, msg, need = self.ack
+            store = self.store
+            if store.synced < min(need, store.handed):
+                # Called back for an earlier batch: this ack's records came after it, and
+                # are written next (rule 3: acked once on disk).
+                store.when_synced(self._send_ack)
+                return
             self.ack = None
             self._write(dest, wire.encode(msg))
+        self.ack_scheduled = False
 
     def _write(self, dest: str, data: bytes) -> None:
         making = self.copying.get(dest)
