@@ -32,6 +32,9 @@ class Disk:
     def boundary(self, epoch: int, first: int) -> None:
         self.epochs.append((epoch, first))
 
+    def soon(self) -> None:
+        pass
+
 
 class Wire:
     def __init__(self) -> None:

@@ -1,6 +1,7 @@
 """Where the store writes a batch (store/log.py): a small one on a fast disk on the loop
 itself, a big one, one on a slow disk, or one while a checkpoint holds the log on the writer
-thread. Either way the records are on disk and the waiters called back, in order."""
+thread; and when: at once if something waits for it, soon after if nothing does. Either way
+the records are on disk and the waiters called back, in order."""
 
 from __future__ import annotations
 
@@ -69,6 +70,31 @@ def test_a_small_batch_on_a_fast_disk_is_written_on_the_loop(tmp_path: Path) -> 
         store.write_recent = 1.0  # a slow disk: a second on the loop is too long
         await declared(broker, seq, "d")
         assert store.written_here == 1
+
+    with_store(tmp_path, body)
+    assert on_disk(tmp_path) == ["a", "b", "c", "d"]
+
+
+def test_what_nothing_waits_for_goes_with_the_next_batch_or_soon_after(tmp_path: Path) -> None:
+    """A record no confirm or reply waits for (a consumer's ack, say) is not written on its
+    own: it goes with the next batch something waits for, or within LAZY_SECONDS."""
+
+    async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
+        broker.add_vhost("/")
+        await declared(broker, seq, "a")
+        batches = store.synced_batches
+        broker.vhost("/").declare_queue("b", durable=True)  # nothing waits for it
+        await asyncio.sleep(0)  # the turn ends
+        assert store.synced < store.handed and store.lazy is not None
+        await declared(broker, seq, "c")  # a waiter: both go now, in one batch
+        assert store.synced == store.handed and store.synced_batches == batches + 1
+        assert store.lazy is None
+        broker.vhost("/").declare_queue("d", durable=True)
+        for _ in range(200):  # written soon, though nothing waits for it
+            await asyncio.sleep(store_log.LAZY_SECONDS)
+            if store.synced == store.handed:
+                break
+        assert store.synced == store.handed and store.synced_batches == batches + 2
 
     with_store(tmp_path, body)
     assert on_disk(tmp_path) == ["a", "b", "c", "d"]

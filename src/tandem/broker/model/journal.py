@@ -150,6 +150,10 @@ class Disk(Protocol):
     def boundary(self, epoch: int, first: int) -> None:
         """The log's first record of `epoch` is at `first` (kept for truncation)."""
 
+    def soon(self) -> None:
+        """Something waits for the records handed: write them before this turn ends (what
+        nothing waits for may be written later)."""
+
     page_bytes: int  # a queue's memory budget (Journal.page_budget); 0 pages nothing
 
     def page_out(self, key: tuple[str, str], place: bytes, msgs: list[Message]) -> Page | None:
@@ -412,8 +416,10 @@ class Sequencer:
             callback()
         else:
             self.waiters.append((self.last_durable, self.last_shipped, callback))
+            if self.disk is not None:
+                self.disk.soon()  # what it waits for may be held back (Store._flush)
             if self.shipper is not None:
-                self.shipper.soon()  # what it waits for may be held back (Member._flush)
+                self.shipper.soon()  # ... and here (Member._flush)
 
     def dirty(self) -> bool:
         return bool(self.waiters) or not self._done(self.last_durable, self.last_shipped)
