@@ -100,6 +100,27 @@ def test_what_nothing_waits_for_goes_with_the_next_batch_or_soon_after(tmp_path:
     assert on_disk(tmp_path) == ["a", "b", "c", "d"]
 
 
+def test_after_a_reset_only_what_is_written_again_is_on_disk(tmp_path: Path) -> None:
+    """A backup that went past the point where it agrees with its primary starts its log over
+    (a copy): its new records take offsets the old log had reached, and count as on disk
+    only once they are written."""
+
+    async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
+        broker.add_vhost("/")
+        for name in ("a", "b", "c"):
+            await declared(broker, seq, name)
+        assert store.synced >= 3
+        store.reset([(1, 1)])
+        seq.reset([(1, 1)], 1)
+        broker.vhost("/").declare_queue("d", durable=True)  # offset 2, not written yet
+        assert seq.offset == 2 and store.synced < 2 and seq.dirty()
+        done = asyncio.get_running_loop().create_future()
+        seq.when_done(lambda: done.set_result(store.synced))
+        assert await done >= 2
+
+    with_store(tmp_path, body)
+
+
 def test_after_a_failed_write_the_log_is_tried_again_on_the_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -228,9 +228,18 @@ class Sequencer:
         self.offset = max(self.offset, offset)
 
     def reset(self, boundaries: Boundaries, offset: int) -> None:
-        """The log was replaced (a backup took a full copy)."""
+        """The log was replaced (a backup took a full copy). What this node handed before
+        may have gone past `offset`: nothing waits for offsets the log no longer has (the
+        waiters of a term it served as primary, whose clients were closed)."""
         self.boundaries = list(boundaries)
         self.offset = offset
+        self.last_durable = min(self.last_durable, offset)
+        self.last_shipped = min(self.last_shipped, offset)
+        if self.waiters:
+            self.waiters = collections.deque(
+                (min(disk, offset), min(held, offset), callback)
+                for disk, held, callback in self.waiters
+            )
         if boundaries:
             self.epoch = max(self.epoch, boundaries[-1][0])
 

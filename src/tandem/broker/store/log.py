@@ -212,8 +212,9 @@ class Store:
 
     @property
     def synced(self) -> int:
-        if not self.pending.chunks and self.inflight is None:
-            return self.handed
+        inflight = self.inflight
+        if not self.pending.chunks and (inflight is None or not inflight.chunks):
+            return self.handed  # as when_synced sees it: nothing handed waits for the disk
         return self._synced
 
     def write(self, rtype: int, offset: int, data: bytes, key: Key | None) -> None:
@@ -413,6 +414,9 @@ class Store:
         self.pending.epochs.clear()
         self.pending.size = 0
         self.pending.generation = self.generation
+        # Nothing of the log is on disk now; the copy's records are handed next, at offsets
+        # that may be below the old log's end (a member that went past the agreement point).
+        self.handed = self._synced = 0
         self.checkpoint_due = self.checkpoint_records
         self.where.clear()
         self.pages.clear()
@@ -771,7 +775,8 @@ class Store:
             self.write_recent = INLINE_SECONDS  # as at the start: measured again
             self.on_write_error(None)
         self.inflight = None
-        self._synced = max(self._synced, batch.through)
+        if batch.generation == self.generation:  # not a batch of the log a reset replaced
+            self._synced = max(self._synced, batch.through)
         self.synced_batches += 1
         took = fut.result()
         if took is not None:
