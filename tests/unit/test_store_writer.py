@@ -111,7 +111,7 @@ def test_after_a_reset_only_what_is_written_again_is_on_disk(tmp_path: Path) -> 
             await declared(broker, seq, name)
         assert store.synced >= 3
         store.reset([(1, 1)])
-        seq.reset([(1, 1)], 1)
+        seq.reset(((1, 1),), 1)
         broker.vhost("/").declare_queue("d", durable=True)  # offset 2, not written yet
         assert seq.offset == 2 and store.synced < 2 and seq.dirty()
         done = asyncio.get_running_loop().create_future()
