@@ -149,7 +149,7 @@ def test_torn_tail_is_cut_and_the_rest_recovered(broker: Broker) -> None:
     seg = sorted((broker.data_dir / "log").glob("*.seg"))[-1]
     size = seg.stat().st_size
     with open(seg, "ab") as f:
-        f.write(b"TL\x00\x00\x01\x00garbage-of-a-half-written-record")
+        f.write(b"TC\x00\x00\x01\x00garbage-of-a-half-written-record")
     broker.start()
     assert numbers(consume_all(broker, "torn")) == list(range(50))
     assert "cutting a torn tail" in broker.log()

@@ -3,9 +3,12 @@
 One frame serves the disk and the wire: the store writes the frames of durable records as they
 are, replication ships every frame, and a backup writes the durable ones it receives verbatim.
 
-    magic "TL" | length u32 | crc32 u32 | type u8 | epoch u32 | offset u64 | payload
+    magic "TC" | length u32 | crc32c u32 | type u8 | epoch u32 | offset u64 | payload
 
-The crc covers everything after it. The type's high bit says the record is durable (a backup
+The crc covers everything after it: CRC-32C (Castagnoli, as Kafka, RocksDB and ext4 use),
+which google-crc32c computes with the CPU's CRC instructions, 4 µs for 64 KiB where zlib's
+CRC-32 took 30. Records written before 2026-11-28 carry magic "TL" and zlib's CRC-32; they
+are still read, and never written. The type's high bit says the record is durable (a backup
 writes it to disk); the next bit (MORE) that more records of the same group follow: a group
 (a transaction's publishes and acks) is applied whole or not at all. A record's identity is
 (epoch, offset).
@@ -18,16 +21,19 @@ import decimal
 import json
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import google_crc32c
 from pamqp import decode as amqp_decode
 from pamqp import encode as amqp_encode
 
 from tandem.broker.model.message import Message
 
-MAGIC = b"TL"
-REC_HDR = struct.Struct(">2sII")  # magic, length of the rest, crc32 of the rest
+MAGIC = b"TC"  # a record checksummed with CRC-32C
+MAGIC_CRC32 = b"TL"  # ... with zlib's CRC-32, as versions before 2026-11-28 wrote them
+REC_HDR = struct.Struct(">2sII")  # magic, length of the rest, checksum of the rest
 REC_META = struct.Struct(">BIQ")  # type, epoch, offset
 STR16 = struct.Struct(">H")
 U32 = struct.Struct(">I")
@@ -64,6 +70,13 @@ NAMES = {
 
 BIG = 8192  # a payload from this size up is copied once when framed; below, two copies cost less
 
+_extend: Callable[[int, bytes], int] = google_crc32c.extend
+
+
+def crc32c(data: bytes, crc: int = 0) -> int:
+    """The CRC-32C of `data`, continuing `crc` (the checksum of what came before it)."""
+    return _extend(crc, data)
+
 
 def frame(
     rtype: int,
@@ -77,14 +90,14 @@ def frame(
     flags = (DURABLE if durable else 0) | (MORE if more else 0)
     meta = REC_META.pack(rtype | flags, epoch, offset)
     if isinstance(payload, list):
-        crc, size = zlib.crc32(meta), len(meta)
+        crc, size = crc32c(meta), len(meta)
         for part in payload:
-            crc, size = zlib.crc32(part, crc), size + len(part)
+            crc, size = crc32c(part, crc), size + len(part)
         return b"".join((REC_HDR.pack(MAGIC, size, crc), meta, *payload))
     if len(payload) < BIG:
         rest = meta + payload
-        return REC_HDR.pack(MAGIC, len(rest), zlib.crc32(rest)) + rest
-    crc = zlib.crc32(payload, zlib.crc32(meta))  # over both, without joining them first
+        return REC_HDR.pack(MAGIC, len(rest), crc32c(rest)) + rest
+    crc = crc32c(payload, crc32c(meta))  # over both, without joining them first
     return b"".join((REC_HDR.pack(MAGIC, len(meta) + len(payload), crc), meta, payload))
 
 
@@ -162,7 +175,7 @@ def enqueue_sizes(data: bytes, pos: int) -> tuple[int, int] | None:
     try:
         magic, length, _crc = REC_HDR.unpack_from(data, pos)
         end = pos + REC_HDR.size + length
-        if magic != MAGIC or end > len(data):
+        if (magic != MAGIC and magic != MAGIC_CRC32) or end > len(data):
             return None
         at = pos + HEADER
         at += 2 + STR16.unpack_from(data, at)[0]  # vhost
@@ -196,24 +209,32 @@ def problem_at(data: bytes, pos: int) -> str | None:
         return "truncated record header"
     magic, length, crc = REC_HDR.unpack_from(data, pos)
     end = pos + REC_HDR.size + length
-    if magic != MAGIC:
+    if magic != MAGIC and magic != MAGIC_CRC32:
         return "bad record magic"
     if length < REC_META.size or length > MAX_RECORD:
         return f"bad record length {length}"
     if end > n:
         return "record runs past the end of the file"
-    if zlib.crc32(data[pos + REC_HDR.size : end]) != crc:
+    rest = data[pos + REC_HDR.size : end]
+    if (crc32c(rest) if magic == MAGIC else zlib.crc32(rest)) != crc:
         return "checksum mismatch"
     return None
 
 
 def _next_valid(data: bytes, start: int) -> int | None:
-    pos = data.find(MAGIC, start)
+    pos = _next_magic(data, start)
     while pos != -1:
         if problem_at(data, pos) is None:
             return pos
-        pos = data.find(MAGIC, pos + 1)
+        pos = _next_magic(data, pos + 1)
     return None
+
+
+def _next_magic(data: bytes, start: int) -> int:
+    """Where the next record's magic, of either checksum, begins at or after `start`: -1 if
+    none does."""
+    new, old = data.find(MAGIC, start), data.find(MAGIC_CRC32, start)
+    return old if new == -1 else new if old == -1 else min(new, old)
 
 
 class Grouper:
