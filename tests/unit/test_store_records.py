@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -167,7 +169,7 @@ def test_records_are_checksummed_with_crc32c() -> None:
         records.frame(records.ENQUEUE, 2, 7, [b"par", b"ts", big]),
     ):
         magic, length, crc = records.REC_HDR.unpack_from(data)
-        assert magic == b"TC" and length == len(data) - records.REC_HDR.size
+        assert magic == records.WRITTEN == b"TC" and length == len(data) - records.REC_HDR.size
         assert crc == records.crc32c(data[records.REC_HDR.size :])
 
 
@@ -187,6 +189,26 @@ def test_records_written_before_crc32c_are_read_and_checked() -> None:
     assert [c.reason for c in corrupt] == ["checksum mismatch"]
     # The same bytes under the other magic do not check out: the magic names the checksum.
     assert records.problem_at(b"TC" + old[2:], 0) == "checksum mismatch"
+
+
+def test_without_the_c_extension_records_are_written_with_zlibs_crc32() -> None:
+    """google-crc32c's pure-Python fallback takes 18 ms for 64 KiB: a node without its C
+    extension writes records of the earlier kind, and still reads both."""
+    probe = """
+import google_crc32c
+google_crc32c.implementation = "python"  # as where no wheel or compiler gave the extension
+from tandem.broker.model import records
+assert not records.CRC32C_IN_C and records.WRITTEN == b"TL"
+old = records.frame(records.DEFINE, 1, 1, b"x" * 9000) + records.frame(records.DEFINE, 1, 2, [b"y"])
+found, end, corrupt, torn = records.scan(old + b"TC" + old[2:20])
+assert [r[2] for r in found] == [1, 2] and not corrupt and torn, (found, corrupt)
+print("ok")
+"""
+    env = {**os.environ, "TANDEM_PURE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "ok", out.stderr
 
 
 def test_a_store_written_before_crc32c_recovers_and_goes_on(tmp_path: Path) -> None:

@@ -7,11 +7,13 @@ are, replication ships every frame, and a backup writes the durable ones it rece
 
 The crc covers everything after it: CRC-32C (Castagnoli, as Kafka, RocksDB and ext4 use),
 which google-crc32c computes with the CPU's CRC instructions, 4 µs for 64 KiB where zlib's
-CRC-32 took 30. Records written before 2026-11-28 carry magic "TL" and zlib's CRC-32; they
-are still read, and never written. The type's high bit says the record is durable (a backup
-writes it to disk); the next bit (MORE) that more records of the same group follow: a group
-(a transaction's publishes and acks) is applied whole or not at all. A record's identity is
-(epoch, offset).
+CRC-32 took 30. Magic "TL" marks a record checksummed with zlib's CRC-32: what versions
+before 2026-11-28 wrote, and what a node writes where google-crc32c has no C extension (its
+pure-Python fallback takes 18 ms for 64 KiB). Both kinds are read.
+
+The type's high bit says the record is durable (a backup writes it to disk); the next bit
+(MORE) that more records of the same group follow: a group (a transaction's publishes and
+acks) is applied whole or not at all. A record's identity is (epoch, offset).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from pamqp import encode as amqp_encode
 from tandem.broker.model.message import Message
 
 MAGIC = b"TC"  # a record checksummed with CRC-32C
-MAGIC_CRC32 = b"TL"  # ... with zlib's CRC-32, as versions before 2026-11-28 wrote them
+MAGIC_CRC32 = b"TL"  # ... with zlib's CRC-32 (before 2026-11-28, or no C extension)
+CRC32C_IN_C = google_crc32c.implementation == "c"
+WRITTEN = MAGIC if CRC32C_IN_C else MAGIC_CRC32  # the kind of record this node writes
 REC_HDR = struct.Struct(">2sII")  # magic, length of the rest, checksum of the rest
 REC_META = struct.Struct(">BIQ")  # type, epoch, offset
 STR16 = struct.Struct(">H")
@@ -78,6 +82,13 @@ def crc32c(data: bytes, crc: int = 0) -> int:
     return _extend(crc, data)
 
 
+def checksum(data: bytes, crc: int = 0) -> int:
+    """The checksum of the records this node writes (`WRITTEN`), continuing `crc`."""
+    if CRC32C_IN_C:
+        return _extend(crc, data)
+    return zlib.crc32(data, crc)
+
+
 def frame(
     rtype: int,
     epoch: int,
@@ -90,15 +101,15 @@ def frame(
     flags = (DURABLE if durable else 0) | (MORE if more else 0)
     meta = REC_META.pack(rtype | flags, epoch, offset)
     if isinstance(payload, list):
-        crc, size = crc32c(meta), len(meta)
+        crc, size = checksum(meta), len(meta)
         for part in payload:
-            crc, size = crc32c(part, crc), size + len(part)
-        return b"".join((REC_HDR.pack(MAGIC, size, crc), meta, *payload))
+            crc, size = checksum(part, crc), size + len(part)
+        return b"".join((REC_HDR.pack(WRITTEN, size, crc), meta, *payload))
     if len(payload) < BIG:
         rest = meta + payload
-        return REC_HDR.pack(MAGIC, len(rest), crc32c(rest)) + rest
-    crc = crc32c(payload, crc32c(meta))  # over both, without joining them first
-    return b"".join((REC_HDR.pack(MAGIC, len(meta) + len(payload), crc), meta, payload))
+        return REC_HDR.pack(WRITTEN, len(rest), checksum(rest)) + rest
+    crc = checksum(payload, checksum(meta))  # over both, without joining them first
+    return b"".join((REC_HDR.pack(WRITTEN, len(meta) + len(payload), crc), meta, payload))
 
 
 def head(data: bytes | memoryview) -> tuple[int, int, int, bool]:
