@@ -233,19 +233,19 @@ def problem_at(data: bytes, pos: int) -> str | None:
 
 
 def _next_valid(data: bytes, start: int) -> int | None:
-    pos = _next_magic(data, start)
-    while pos != -1:
+    """Where the next valid record begins at or after `start`, of either kind. Each kind's
+    magic is searched for onwards from its last find only, so that a stretch with many false
+    magics of one kind is not searched through again for the other at each."""
+    new, old = data.find(MAGIC, start), data.find(MAGIC_CRC32, start)
+    while new != -1 or old != -1:
+        pos = old if new == -1 else new if old == -1 else min(new, old)
         if problem_at(data, pos) is None:
             return pos
-        pos = _next_magic(data, pos + 1)
+        if pos == new:
+            new = data.find(MAGIC, pos + 1)
+        else:
+            old = data.find(MAGIC_CRC32, pos + 1)
     return None
-
-
-def _next_magic(data: bytes, start: int) -> int:
-    """Where the next record's magic, of either checksum, begins at or after `start`: -1 if
-    none does."""
-    new, old = data.find(MAGIC, start), data.find(MAGIC_CRC32, start)
-    return old if new == -1 else new if old == -1 else min(new, old)
 
 
 class Grouper:
