@@ -17,7 +17,7 @@ from pamqp import body, commands, frame, header
 
 from tandem.broker.model.auth import Permission
 from tandem.broker.model.broker import Broker
-from tandem.broker.protocol.connection import FEED_FRAMES, Connection
+from tandem.broker.protocol.connection import FEED_FRAMES, READ_LOW, READ_MAX, Connection
 
 EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "6000"))
 
@@ -211,3 +211,50 @@ def test_a_big_read_is_handled_a_budget_at_a_time_and_in_order() -> None:
         turns += 1
     assert turns >= 5000 * 3 // FEED_FRAMES
     assert [int(m.body) for m in queue.messages] == list(range(5000))
+
+
+def _publish(ch: int, rk: str, payload: bytes, frame_max: int) -> bytes:
+    """A publish as a client sends it: the body cut into frames of at most frame_max."""
+    props = commands.Basic.Properties(delivery_mode=1)
+    parts = [
+        frame.marshal(commands.Basic.Publish(exchange="", routing_key=rk), ch),
+        frame.marshal(header.ContentHeader(0, len(payload), props), ch),
+    ]
+    step = frame_max - 8
+    parts += [
+        frame.marshal(body.ContentBody(payload[i : i + step]), ch)
+        for i in range(0, len(payload), step)
+    ]
+    return b"".join(parts)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(
+    sizes=st.lists(st.integers(0, 300_000), min_size=1, max_size=12),
+    reads=st.lists(st.integers(1, 400_000), min_size=1, max_size=40),
+)
+def test_reads_into_the_buffer_of_any_size_keep_every_body(
+    sizes: list[int], reads: list[int]
+) -> None:
+    """The socket reads into `read_buffer()` (asyncio's BufferedProtocol): whatever the
+    reads' sizes, every body arrives whole and in order, and the buffer stays bounded."""
+    conn, _transport = new_connection()
+    conn.feed(frame.marshal(commands.Channel.Open(), 1))
+    conn.feed(frame.marshal(commands.Queue.Declare(queue="q"), 1))
+    bodies = [bytes([i % 251]) * size + i.to_bytes(4, "big") for i, size in enumerate(sizes)]
+    data = b"".join(_publish(1, "q", b, 131072) for b in bodies)
+    pos = 0
+    turn = 0
+    while pos < len(data):
+        view = conn.read_buffer()
+        assert len(view) >= READ_LOW
+        n = min(len(view), reads[turn % len(reads)], len(data) - pos)
+        view[:n] = data[pos : pos + n]
+        view.release()
+        conn.received(n)
+        pos += n
+        turn += 1
+        assert len(conn.rbuf) <= READ_MAX + 131072
+    assert conn.state == "running"
+    got = [m.body_bytes() for m in conn.broker.vhost("/").queues["q"].messages]
+    assert got == bodies

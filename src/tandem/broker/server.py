@@ -62,8 +62,9 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-class AMQPProtocol(asyncio.Protocol):
-    """Glue between an asyncio transport and a protocol.connection.Connection."""
+class AMQPProtocol(asyncio.BufferedProtocol):
+    """Glue between an asyncio transport and a protocol.connection.Connection. Buffered: the
+    transport reads into the connection's buffer, not into bytes of its own to be copied."""
 
     def __init__(
         self,
@@ -110,10 +111,14 @@ class AMQPProtocol(asyncio.Protocol):
         self.registry.add(self)
         self.hs_handle = self.loop.call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        assert self.conn is not None
+        return self.conn.read_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
         conn = self.conn
         assert conn is not None
-        conn.feed(data)
+        conn.received(nbytes)
         if self.hb_handle is None and conn.state == "running":
             if self.hs_handle is not None:
                 self.hs_handle.cancel()
@@ -157,9 +162,11 @@ class AMQPProtocol(asyncio.Protocol):
         self.flush_scheduled = False
         if self.conn is None or self.transport is None or self.transport.is_closing():
             return
-        data = self.conn.take_output()
-        if data:
-            self.transport.write(data)
+        chunks = self.conn.take_output()
+        if len(chunks) == 1:
+            self.transport.write(chunks[0])
+        elif chunks:
+            self.transport.writelines(chunks)
 
     def close(self) -> None:
         self.flush()

@@ -155,6 +155,8 @@ class Channel:
         if not out:
             conn.transport.wake()
         out += parts  # joined once with the rest of this turn's output, by take_output
+        if msg.body_size >= frames.BIG_PART:
+            conn.big_output = True
 
     def hold_until_synced(self, data: bytes) -> None:
         """Queue a reply that may go out only once the journal has synced."""

@@ -57,6 +57,14 @@ class Limits:
 # not cut into a turn each.
 FEED_FRAMES = 384
 
+# The read buffer. Reads land in it and frames are handled where they landed: only a body is
+# copied out. It starts small, doubles while reads fill it, up to uvloop's own 256 KiB, and
+# a connection silent for half a heartbeat interval gives a large one back. Whatever its size, a
+# read gets room for at least READ_LOW bytes and for the rest of a frame begun.
+READ_INITIAL = 16 * 1024
+READ_MAX = 256 * 1024
+READ_LOW = 4096
+
 SERVER_CAPABILITIES = {
     "publisher_confirms": True,
     "exchange_exchange_bindings": True,
@@ -118,8 +126,14 @@ class Connection:
         self.peer = peer
         self.loopback = loopback
         self.limits = limits or Limits()
-        self.buf = bytearray()
+        # Reads land in rbuf, at rend; the frames from rstart on are not handled yet.
+        self.rbuf = bytearray(READ_INITIAL)
+        self.rstart = 0
+        self.rend = 0
+        self.rwant = READ_INITIAL  # the size the buffer grows to when next it moves
         self.out: list[bytes | memoryview] = []
+        # Set when `out` may hold a part of frames.BIG_PART bytes or more (a delivery's body).
+        self.big_output = False
         self.state = "header"
         self.frame_max = frames.FRAME_MIN_SIZE
         self.channel_max = self.limits.channel_max
@@ -175,36 +189,102 @@ class Connection:
         else:
             self.write(data)
 
-    def take_output(self) -> bytes:
-        data = b"".join(self.out)
-        self.out.clear()
-        if data:
-            self.sent_since_tick = True
-        return data
+    def take_output(self) -> list[bytes | memoryview]:
+        """What to send, for the socket's `writelines`: the output joined into one chunk,
+        except large bodies (`frames.BIG_PART`), which go as they are, between the joined
+        runs around them, so that they are not copied once more on their way out."""
+        out = self.out
+        if not out:
+            return []
+        self.sent_since_tick = True
+        if not self.big_output:
+            chunks: list[bytes | memoryview] = [b"".join(out)]
+        else:
+            self.big_output = False
+            chunks = []
+            start = 0
+            for i, part in enumerate(out):
+                if len(part) >= frames.BIG_PART:
+                    if i > start:
+                        chunks.append(b"".join(out[start:i]))
+                    chunks.append(part)
+                    start = i + 1
+            if start < len(out):
+                chunks.append(b"".join(out[start:]))
+        out.clear()
+        return chunks
 
     # -- input --
 
     def feed(self, data: bytes) -> None:
-        """Handle bytes read from the socket."""
+        """Handle bytes read from the socket (copied into the read buffer first), or with
+        b"", the frames left in the buffer by a backlog."""
         if self.state == "closed":
             return
+        if data:
+            self._make_room(len(data))
+            end = self.rend + len(data)
+            self.rbuf[self.rend : end] = data
+            self.rend = end
+        self._handle_input()
+
+    def read_buffer(self) -> memoryview:
+        """Where the next read lands (asyncio.BufferedProtocol.get_buffer): after what is left
+        of the last one, with room for at least the rest of a frame begun."""
+        start, end = self.rstart, self.rend
+        need = READ_LOW
+        if end - start >= 7:
+            size = FRAME_HDR.unpack_from(self.rbuf, start)[2] + 8
+            need = max(need, min(size, self.limits.frame_max) - (end - start))
+        if len(self.rbuf) - end < need:
+            self._make_room(need)
+        return memoryview(self.rbuf)[self.rend :]
+
+    def received(self, nbytes: int) -> None:
+        """`nbytes` were read into `read_buffer()` (asyncio.BufferedProtocol.buffer_updated)."""
+        self.rend += nbytes
+        if self.rend == len(self.rbuf) and len(self.rbuf) < READ_MAX:
+            self.rwant = min(2 * len(self.rbuf), READ_MAX)  # more was waiting: read more
+        if self.state != "closed":
+            self._handle_input()
+
+    def _make_room(self, need: int) -> None:
+        """At least `need` bytes free after the buffered data: moved to the front of the
+        buffer (what is left over is at most a few frames), or into a larger one."""
+        rbuf, start, end = self.rbuf, self.rstart, self.rend
+        kept = end - start
+        size = max(len(rbuf), self.rwant, kept + need)
+        if size > len(rbuf):
+            # A new buffer: the old one may be lent to the read in progress, and cannot grow.
+            self.rbuf = bytearray(size)
+            self.rbuf[:kept] = memoryview(rbuf)[start:end]
+        elif start:
+            rbuf[:kept] = rbuf[start:end]  # a copy first: the two may overlap
+        self.rstart, self.rend = 0, kept
+
+    def _shrink_idle_buffer(self) -> None:
+        """A connection silent for a tick (half the heartbeat) gives back a large read
+        buffer."""
+        if len(self.rbuf) > READ_INITIAL and self.rstart == self.rend:
+            self.rbuf = bytearray(READ_INITIAL)
+            self.rstart = self.rend = 0
+            self.rwant = READ_INITIAL
+
+    def _handle_input(self) -> None:
         self.received_since_tick = True
-        buf: bytes | bytearray = data  # nothing left over: read where it arrived, no copy
-        if self.buf or self.state == "header":
-            self.buf += data
-            buf = self.buf
         try:
             if self.state == "header":
-                if len(self.buf) < 8:
-                    if not frames.PROTOCOL_HEADER.startswith(bytes(self.buf[:8])):
-                        self._bad_header()
+                head = bytes(self.rbuf[self.rstart : min(self.rend, self.rstart + 8)])
+                if len(head) < 8:
+                    if not frames.PROTOCOL_HEADER.startswith(head):
+                        self._bad_header(head)
                     return
-                if bytes(self.buf[:8]) != frames.PROTOCOL_HEADER:
-                    self._bad_header()
+                if head != frames.PROTOCOL_HEADER:
+                    self._bad_header(head)
                     return
-                del self.buf[:8]
+                self.rstart += 8
                 self._send_start()
-            self._frames(buf)
+            self._frames(self.rbuf, self.rstart, self.rend)
         except errors.AMQPError as err:
             self.error(0, err)
         except Exception as exc:
@@ -212,11 +292,9 @@ class Connection:
             self.error(0, errors.InternalError(f"internal error: {exc.__class__.__name__}"))
         self._after_batch()
 
-    def _frames(self, buf: bytes | bytearray) -> None:
-        """Handle the whole frames in `buf` (the connection's buffer, or bytes just read
-        while it was empty); what is left of a frame stays in the buffer."""
-        n = len(buf)
-        pos = 0
+    def _frames(self, buf: bytearray, pos: int, n: int) -> None:
+        """Handle the whole frames in `buf[pos:n]` (the read buffer), where they are; what
+        is left of a frame, or frames left for a later turn, stay in the buffer."""
         frame_max = self.frame_max
         unpack_hdr = FRAME_HDR.unpack_from
         left = self.transport.turn_frames()
@@ -250,7 +328,7 @@ class Connection:
                         raise errors.FrameError(f"content header of {size} bytes is too short")
                     basic.content_header(self, ch, buf, start, end)
                 elif ftype == 3:
-                    # One copy out of the read buffer (a slice of a bytearray would be two).
+                    # The one copy of a body out of the read buffer.
                     basic.content_body(self, ch, bytes(memoryview(buf)[start:end]))
                 elif ftype == 8:
                     if ch != 0:
@@ -262,13 +340,10 @@ class Connection:
                     self.transport.backlog()  # the rest on a later turn
                     break
         finally:
-            if buf is not self.buf:
-                if pos < n:
-                    self.buf += memoryview(buf)[pos:]
-            elif pos >= n:
-                buf.clear()
-            elif pos:
-                del buf[:pos]
+            if pos >= n:
+                self.rstart = self.rend = 0  # all handled: the next read starts at the front
+            else:
+                self.rstart = pos
 
     def _dispatch_dirty(self) -> None:
         """Deliver what acks, rejects, consumes and qos changes have made deliverable."""
@@ -295,10 +370,8 @@ class Connection:
 
     # -- errors --
 
-    def _bad_header(self) -> None:
-        log.info(
-            "connection from %s sent a wrong protocol header %r", self.peer, bytes(self.buf[:8])
-        )
+    def _bad_header(self, head: bytes) -> None:
+        log.info("connection from %s sent a wrong protocol header %r", self.peer, head)
         self.write(frames.PROTOCOL_HEADER)
         self._teardown("wrong protocol header")
         self.transport.close()
@@ -377,6 +450,8 @@ class Connection:
         else:
             self.missed_ticks += 1
         self.received_since_tick = False
+        if self.missed_ticks:
+            self._shrink_idle_buffer()
         if self.missed_ticks >= 4:  # two heartbeat intervals
             log.warning(
                 "closing connection %s: missed heartbeats from client, timeout: %ds",

@@ -38,6 +38,12 @@ BASIC_PUBLISH = 40
 BASIC_ACK = 80
 
 
+# A part of the output this long (a delivery's body) is handed to the socket as it is, beside
+# the joined rest, and written with writev: joining would copy it once more. Shorter parts
+# cost less to copy than to pass as one more buffer.
+BIG_PART = 8192
+
+
 def method_bytes(channel: int, method: Any) -> bytes:
     """Encode a pamqp method as one frame."""
     return frame.marshal(method, channel)
