@@ -15,7 +15,7 @@ import pytest
 
 from tests.differential import harness
 
-COUNT = int(os.environ.get("DIFFERENTIAL_COUNT", "80"))
+COUNT = int(os.environ.get("DIFFERENTIAL_COUNT", "60"))
 
 
 @pytest.mark.timeout(60 + 3 * COUNT)
@@ -25,7 +25,7 @@ def test_a_restart_brings_back_exactly_what_a_client_left(tmp_path: Path) -> Non
     assert figures["sequences"] >= COUNT and figures["operations"] > figures["refused"]
 
 
-PAGED_COUNT = int(os.environ.get("DIFFERENTIAL_PAGED_COUNT", "40"))
+PAGED_COUNT = int(os.environ.get("DIFFERENTIAL_PAGED_COUNT", "30"))
 
 
 @pytest.mark.timeout(60 + 3 * PAGED_COUNT)
