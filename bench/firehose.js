@@ -104,6 +104,7 @@ async function main() {
   }
 
   const start = process.hrtime.bigint();
+  const cpuStart = process.cpuUsage();
   let confirmed = 0;
   let resolveConfirms;
   const confirmsDone = persistent ? new Promise((r) => { resolveConfirms = r; }) : Promise.resolve();
@@ -141,12 +142,15 @@ async function main() {
   await Promise.all(pubs.map((_, p) => publish(p)));
   await Promise.all([done, confirmsDone]);
   const seconds = Number(process.hrtime.bigint() - start) / 1e9;
+  const cpu = process.cpuUsage(cpuStart);
+  // The client's own CPU (one thread runs its JavaScript): near `seconds`, the client is the limit.
+  const clientCpu = (cpu.user + cpu.system) / 1e6;
   finishing = true;
   for (const q of queues) await subs[0].deleteQueue(q);
   if (exchange) await subs[0].deleteExchange(exchange);
   for (const c of pubConns) await c.close();
   for (const c of subConns) await c.close();
-  console.log(JSON.stringify({ mode, count, publishers, seconds, rate: count / seconds, received, bad, ...opt }));
+  console.log(JSON.stringify({ mode, count, publishers, seconds, rate: count / seconds, clientCpu, received, bad, ...opt }));
   if (bad || received !== total) process.exit(1);
 }
 

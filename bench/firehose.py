@@ -21,7 +21,8 @@ confirmed. RabbitMQ is started with `rabbitmq-server -detached` if nothing answe
 Every message is checked to arrive, once and in order.
 
 RabbitMQ is paused (SIGSTOP) while Tandem runs, so each broker is alone on the machine; each
-run prints the broker's CPU time per message. `--against TREE` also runs Tandem from another
+run prints the broker's CPU time per message, and how busy the client was: its JavaScript
+runs on one thread, and near 100% the client, not the broker, set the rate. `--against TREE` also runs Tandem from another
 source tree (`git worktree add /tmp/before <commit>`), as `tandem@before`, alternating with
 the others: a change measured before and after in one run.
 """
@@ -179,6 +180,7 @@ def main() -> int:
             print(f"{name}: {alone.build(t.env)}")
         results: dict[tuple[str, str], list[float]] = {}
         costs: dict[tuple[str, str], list[float]] = {}
+        clients: dict[tuple[str, str], list[float]] = {}
         for mode, (kind, count, publishers, options) in modes.items():
             for run in range(-1, args.runs):  # run -1: the warm-up
                 for name, url in brokers.items():
@@ -193,13 +195,15 @@ def main() -> int:
                     results.setdefault((name, mode), []).append(rate)
                     us = cpu / count * 1e6
                     costs.setdefault((name, mode), []).append(us)
+                    busy = float(r["clientCpu"]) / float(r["seconds"])  # type: ignore[arg-type]
+                    clients.setdefault((name, mode), []).append(busy)
                     print(
                         f"  {mode:18} run {run + 1} {name:14} {rate:9.0f} msg/s "
-                        f"{us:6.1f} µs CPU/msg",
+                        f"{us:6.1f} µs CPU/msg; client busy {busy:4.0%}",
                         flush=True,
                     )
         print()
-        report(list(brokers), list(modes), results, costs)
+        report(list(brokers), list(modes), results, costs, clients)
         print()
         if args.rss_count:
             for t in tandems.values():
@@ -235,9 +239,10 @@ def report(
     modes: list[str],
     results: dict[tuple[str, str], list[float]],
     costs: dict[tuple[str, str], list[float]],
+    clients: dict[tuple[str, str], list[float]],
 ) -> None:
     """Medians per broker and mode, each Tandem's ratio to RabbitMQ, and (with two Tandems)
-    the change from before to after."""
+    the change from before to after; then CPU per message, and how busy the client was."""
     tandems = [b for b in brokers if b != "rabbitmq"]
     head = "".join(f"{b:>15}" for b in brokers)
     ratios = "".join(f"{b + '/rmq':>18}" for b in tandems)
@@ -255,6 +260,12 @@ def report(
         print(
             f"{mode:20}" + "".join(f"{statistics.median(costs[(b, mode)]):15.1f}" for b in brokers)
         )
+    # The client's JavaScript runs on one thread: near 100%, the client, not the broker, set
+    # the rate, and a ratio between brokers is bounded by it.
+    print(f"{'workload':20}" + "".join(f"{b:>15}" for b in brokers) + "   (median client busy)")
+    for mode in modes:
+        busy = [statistics.median(clients[(b, mode)]) for b in brokers]
+        print(f"{mode:20}" + "".join(f"{x:15.0%}" for x in busy))
 
 
 _DELETE = """
