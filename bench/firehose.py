@@ -22,9 +22,9 @@ Every message is checked to arrive, once and in order.
 
 RabbitMQ is paused (SIGSTOP) while Tandem runs, so each broker is alone on the machine; each
 run prints the broker's CPU time per message, and how busy the client was: its JavaScript
-runs on one thread, and near 100% the client, not the broker, set the rate. `--against TREE` also runs Tandem from another
-source tree (`git worktree add /tmp/before <commit>`), as `tandem@before`, alternating with
-the others: a change measured before and after in one run.
+runs on one thread, and near 100% the client, not the broker, set the rate. `--against TREE`
+also runs Tandem from another source tree (`git worktree add /tmp/before <commit>`), as
+`tandem@before`, alternating with the others: a change measured before and after in one run.
 """
 
 from __future__ import annotations
@@ -178,9 +178,7 @@ def main() -> int:
         print(f"machine: {os.cpu_count()} cores; client: amqplib; runs: {args.runs}")
         for name, t in tandems.items():
             print(f"{name}: {alone.build(t.env)}")
-        results: dict[tuple[str, str], list[float]] = {}
-        costs: dict[tuple[str, str], list[float]] = {}
-        clients: dict[tuple[str, str], list[float]] = {}
+        tally = Tally()
         for mode, (kind, count, publishers, options) in modes.items():
             for run in range(-1, args.runs):  # run -1: the warm-up
                 for name, url in brokers.items():
@@ -189,21 +187,11 @@ def main() -> int:
                         cpu = alone.cpu_seconds(pids[name])
                         r = node("firehose.js", url, kind, str(count), str(publishers), *options)
                         cpu = alone.cpu_seconds(pids[name]) - cpu
-                    if run < 0:
-                        continue
-                    rate = float(r["rate"])  # type: ignore[arg-type]
-                    results.setdefault((name, mode), []).append(rate)
-                    us = cpu / count * 1e6
-                    costs.setdefault((name, mode), []).append(us)
-                    busy = float(r["clientCpu"]) / float(r["seconds"])  # type: ignore[arg-type]
-                    clients.setdefault((name, mode), []).append(busy)
-                    print(
-                        f"  {mode:18} run {run + 1} {name:14} {rate:9.0f} msg/s "
-                        f"{us:6.1f} µs CPU/msg; client busy {busy:4.0%}",
-                        flush=True,
-                    )
+                    if run >= 0:
+                        figures = tally.add(name, mode, r, cpu, count)
+                        print(f"  {mode:18} run {run + 1} {name:14} {figures}", flush=True)
         print()
-        report(list(brokers), list(modes), results, costs, clients)
+        report(list(brokers), list(modes), tally)
         print()
         if args.rss_count:
             for t in tandems.values():
@@ -234,13 +222,27 @@ def main() -> int:
     return 0
 
 
-def report(
-    brokers: list[str],
-    modes: list[str],
-    results: dict[tuple[str, str], list[float]],
-    costs: dict[tuple[str, str], list[float]],
-    clients: dict[tuple[str, str], list[float]],
-) -> None:
+class Tally:
+    """Each run's figures by broker and workload: the rate, the broker's CPU per message, and
+    how busy the client was (its CPU over the run's time)."""
+
+    def __init__(self) -> None:
+        self.results: dict[tuple[str, str], list[float]] = {}
+        self.costs: dict[tuple[str, str], list[float]] = {}
+        self.clients: dict[tuple[str, str], list[float]] = {}
+
+    def add(self, name: str, mode: str, r: dict[str, object], cpu: float, count: int) -> str:
+        """One run's figures (`r`: firehose.js's result), returned as a line's end."""
+        rate = float(r["rate"])  # type: ignore[arg-type]
+        us = cpu / count * 1e6
+        busy = float(r["clientCpu"]) / float(r["seconds"])  # type: ignore[arg-type]
+        self.results.setdefault((name, mode), []).append(rate)
+        self.costs.setdefault((name, mode), []).append(us)
+        self.clients.setdefault((name, mode), []).append(busy)
+        return f"{rate:9.0f} msg/s {us:6.1f} µs CPU/msg; client busy {busy:4.0%}"
+
+
+def report(brokers: list[str], modes: list[str], tally: Tally) -> None:
     """Medians per broker and mode, each Tandem's ratio to RabbitMQ, and (with two Tandems)
     the change from before to after; then CPU per message, and how busy the client was."""
     tandems = [b for b in brokers if b != "rabbitmq"]
@@ -249,7 +251,7 @@ def report(
     change = f"{'after/before':>14}" if "tandem@before" in tandems else ""
     print(f"{'workload':20}{head}{ratios}{change}   (median msg/s)")
     for mode in modes:
-        med = {b: statistics.median(results[(b, mode)]) for b in brokers}
+        med = {b: statistics.median(tally.results[(b, mode)]) for b in brokers}
         line = f"{mode:20}" + "".join(f"{med[b]:15.0f}" for b in brokers)
         line += "".join(f"{med[b] / med['rabbitmq']:18.2f}" for b in tandems)
         if change:
@@ -257,14 +259,13 @@ def report(
         print(line)
     print(f"{'workload':20}" + "".join(f"{b:>15}" for b in brokers) + "   (median µs CPU/msg)")
     for mode in modes:
-        print(
-            f"{mode:20}" + "".join(f"{statistics.median(costs[(b, mode)]):15.1f}" for b in brokers)
-        )
+        costs = [statistics.median(tally.costs[(b, mode)]) for b in brokers]
+        print(f"{mode:20}" + "".join(f"{x:15.1f}" for x in costs))
     # The client's JavaScript runs on one thread: near 100%, the client, not the broker, set
     # the rate, and a ratio between brokers is bounded by it.
     print(f"{'workload':20}" + "".join(f"{b:>15}" for b in brokers) + "   (median client busy)")
     for mode in modes:
-        busy = [statistics.median(clients[(b, mode)]) for b in brokers]
+        busy = [statistics.median(tally.clients[(b, mode)]) for b in brokers]
         print(f"{mode:20}" + "".join(f"{x:15.0%}" for x in busy))
 
 

@@ -23,7 +23,7 @@ import os
 
 import alone
 from clusters import RabbitCluster, TandemCluster
-from firehose import node, report
+from firehose import Tally, node, report
 
 
 def main() -> int:
@@ -59,8 +59,7 @@ def main() -> int:
         print("rabbitmq's nodes are paused (SIGSTOP) while a tandem cluster runs")
         for name, t in tandems.items():
             print(f"{name}: {alone.build(t.env)}")
-        results: dict[tuple[str, str], list[float]] = {}
-        costs: dict[tuple[str, str], list[float]] = {}
+        tally = Tally()  # the CPU is all members' (or all nodes')
         modes = [
             (f"{p} pub, window {w}", p, w)
             for p in args.publishers.split(",")
@@ -75,19 +74,11 @@ def main() -> int:
                         cpu = alone.cpu_seconds(pids[name])
                         r = node("firehose.js", url, "quorum", str(count), publishers, *options)
                         cpu = alone.cpu_seconds(pids[name]) - cpu
-                    if run < 0:
-                        continue
-                    rate = float(r["rate"])  # type: ignore[arg-type]
-                    us = cpu / count * 1e6
-                    results.setdefault((name, mode), []).append(rate)
-                    costs.setdefault((name, mode), []).append(us)
-                    print(
-                        f"  {mode:20} run {run + 1} {name:14} {rate:9.0f} msg/s "
-                        f"{us:6.1f} µs CPU/msg (all members)",
-                        flush=True,
-                    )
+                    if run >= 0:
+                        figures = tally.add(name, mode, r, cpu, count)
+                        print(f"  {mode:20} run {run + 1} {name:14} {figures}", flush=True)
         print()
-        report(list(urls), [m for m, _, _ in modes], results, costs)
+        report(list(urls), [m for m, _, _ in modes], tally)
     except BaseException:
         failed = True
         raise
