@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 
@@ -90,6 +91,21 @@ def test_frame_max_negotiation_and_oversized_frame(broker: Broker) -> None:
     c.send(struct.pack(">BHI", 1, 1, 5000) + b"\x00" * 5000 + b"\xce")
     close = connection_close(c)
     assert close.reply_code == 501
+    assert c.closed()
+    assert_other_connections_work(broker)
+
+
+def test_a_framing_error_closes_the_socket_and_what_follows_is_dropped(broker: Broker) -> None:
+    """Nothing after a framing error can be read as frames: the broker says why and closes
+    the socket, however much the client goes on sending, and holds none of it."""
+    c = RawClient(broker.amqp_port)
+    c.handshake(frame_max=4096)
+    c.send(struct.pack(">BHI", 1, 0, 5000))  # a frame larger than frame_max, then junk
+    with contextlib.suppress(OSError):  # the broker may close before all of it is sent
+        for _ in range(64):
+            c.send(b"\x00" * 65536)
+    assert c.expect(commands.Connection.Close).reply_code == 501
+    assert c.closed()
     assert_other_connections_work(broker)
 
 
@@ -108,6 +124,7 @@ def test_bad_frame_end_is_501(broker: Broker) -> None:
     c.handshake()
     c.send(frame.marshal(commands.Channel.Open(), 1)[:-1] + b"\x00")
     assert connection_close(c).reply_code == 501
+    assert c.closed()
 
 
 def test_unknown_frame_type_is_501(broker: Broker) -> None:

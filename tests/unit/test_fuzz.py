@@ -17,7 +17,13 @@ from pamqp import body, commands, frame, header
 
 from tandem.broker.model.auth import Permission
 from tandem.broker.model.broker import Broker
-from tandem.broker.protocol.connection import FEED_FRAMES, READ_LOW, READ_MAX, Connection
+from tandem.broker.protocol.connection import (
+    FEED_FRAMES,
+    READ_INITIAL,
+    READ_LOW,
+    READ_MAX,
+    Connection,
+)
 
 EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "6000"))
 
@@ -258,3 +264,25 @@ def test_reads_into_the_buffer_of_any_size_keep_every_body(
     assert conn.state == "running"
     got = [m.body_bytes() for m in conn.broker.vhost("/").queues["q"].messages]
     assert got == bodies
+
+
+def test_a_connection_that_goes_quiet_gives_its_large_read_buffer_back() -> None:
+    conn, _transport = new_connection()
+    conn.feed(frame.marshal(commands.Channel.Open(), 1))
+    conn.feed(frame.marshal(commands.Queue.Declare(queue="q"), 1))
+    data = b"".join(_publish(1, "q", bytes(100_000), 131072) for _ in range(4))
+    pos = 0
+    while pos < len(data):
+        view = conn.read_buffer()
+        n = min(len(view), len(data) - pos)
+        view[:n] = data[pos : pos + n]
+        view.release()
+        conn.received(n)
+        pos += n
+    grown = len(conn.rbuf)
+    assert grown > READ_INITIAL
+    assert conn.tick()  # busy since the last tick: kept
+    assert len(conn.rbuf) == grown
+    assert conn.tick()  # quiet since: given back
+    assert len(conn.rbuf) == READ_INITIAL
+    assert len(conn.broker.vhost("/").queues["q"].messages) == 4

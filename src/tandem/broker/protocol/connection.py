@@ -58,9 +58,10 @@ class Limits:
 FEED_FRAMES = 384
 
 # The read buffer. Reads land in it and frames are handled where they landed: only a body is
-# copied out. It starts small, doubles while reads fill it, up to uvloop's own 256 KiB, and
-# a connection silent for half a heartbeat interval gives a large one back. Whatever its size, a
-# read gets room for at least READ_LOW bytes and for the rest of a frame begun.
+# copied out. It starts small, doubles while reads fill it, up to uvloop's own 256 KiB, and a
+# connection that received little over half a heartbeat interval gives a large one back
+# (without heartbeats, it keeps it). Whatever its size, a read gets room for at least READ_LOW
+# bytes and for the rest of a frame begun.
 READ_INITIAL = 16 * 1024
 READ_MAX = 256 * 1024
 READ_LOW = 4096
@@ -131,6 +132,7 @@ class Connection:
         self.rstart = 0
         self.rend = 0
         self.rwant = READ_INITIAL  # the size the buffer grows to when next it moves
+        self.received_bytes = 0  # since the last heartbeat tick
         self.out: list[bytes | memoryview] = []
         # Set when `out` may hold a part of frames.BIG_PART bytes or more (a delivery's body).
         self.big_output = False
@@ -233,27 +235,31 @@ class Connection:
         of the last one, with room for at least the rest of a frame begun."""
         start, end = self.rstart, self.rend
         need = READ_LOW
-        if end - start >= 7:
+        if end - start >= 7 and self.state != "header":
             size = FRAME_HDR.unpack_from(self.rbuf, start)[2] + 8
-            need = max(need, min(size, self.limits.frame_max) - (end - start))
+            need = max(need, min(size, self.frame_max) - (end - start))
         if len(self.rbuf) - end < need:
             self._make_room(need)
         return memoryview(self.rbuf)[self.rend :]
 
     def received(self, nbytes: int) -> None:
         """`nbytes` were read into `read_buffer()` (asyncio.BufferedProtocol.buffer_updated)."""
+        if self.state == "closed":
+            return  # nothing more is read: the bytes are dropped
         self.rend += nbytes
+        self.received_bytes += nbytes
         if self.rend == len(self.rbuf) and len(self.rbuf) < READ_MAX:
             self.rwant = min(2 * len(self.rbuf), READ_MAX)  # more was waiting: read more
-        if self.state != "closed":
-            self._handle_input()
+        self._handle_input()
 
     def _make_room(self, need: int) -> None:
         """At least `need` bytes free after the buffered data: moved to the front of the
         buffer (what is left over is at most a few frames), or into a larger one."""
         rbuf, start, end = self.rbuf, self.rstart, self.rend
         kept = end - start
-        size = max(len(rbuf), self.rwant, kept + need)
+        size = max(len(rbuf), self.rwant)
+        if kept + need > size:
+            size = max(kept + need, 2 * size)
         if size > len(rbuf):
             # A new buffer: the old one may be lent to the read in progress, and cannot grow.
             self.rbuf = bytearray(size)
@@ -263,9 +269,11 @@ class Connection:
         self.rstart, self.rend = 0, kept
 
     def _shrink_idle_buffer(self) -> None:
-        """A connection silent for a tick (half the heartbeat) gives back a large read
-        buffer."""
-        if len(self.rbuf) > READ_INITIAL and self.rstart == self.rend:
+        """A connection that received less than a quarter of its large read buffer since the
+        last tick (half the heartbeat interval) gives the buffer back."""
+        light = self.received_bytes < len(self.rbuf) // 4
+        self.received_bytes = 0
+        if light and len(self.rbuf) > READ_INITIAL and self.rstart == self.rend:
             self.rbuf = bytearray(READ_INITIAL)
             self.rstart = self.rend = 0
             self.rwant = READ_INITIAL
@@ -285,6 +293,13 @@ class Connection:
                 self.rstart += 8
                 self._send_start()
             self._frames(self.rbuf, self.rstart, self.rend)
+        except errors.FrameError as err:
+            # Nothing after a framing error can be read as frames: say why, drop the rest,
+            # and close the socket without waiting for close-ok (AMQP 0-9-1, 4.2.3).
+            self.error(0, err)
+            self.rstart = self.rend = 0
+            self.state = "closed"
+            self.transport.close()
         except errors.AMQPError as err:
             self.error(0, err)
         except Exception as exc:
@@ -450,8 +465,7 @@ class Connection:
         else:
             self.missed_ticks += 1
         self.received_since_tick = False
-        if self.missed_ticks:
-            self._shrink_idle_buffer()
+        self._shrink_idle_buffer()
         if self.missed_ticks >= 4:  # two heartbeat intervals
             log.warning(
                 "closing connection %s: missed heartbeats from client, timeout: %ds",
