@@ -293,10 +293,10 @@ class Connection:
                 self.rstart += 8
                 self._send_start()
             self._frames(self.rbuf, self.rstart, self.rend)
-        except errors.FrameError as err:
+        except errors.FrameError as framing:
             # Nothing after a framing error can be read as frames: say why, drop the rest,
             # and close the socket without waiting for close-ok (AMQP 0-9-1, 4.2.3).
-            self.error(0, err)
+            self.error(0, framing)
             self.rstart = self.rend = 0
             self.state = "closed"
             self.transport.close()
