@@ -234,6 +234,25 @@ def _publish(ch: int, rk: str, payload: bytes, frame_max: int) -> bytes:
     return b"".join(parts)
 
 
+def _read_in(conn: Connection, data: bytes, reads: list[int] | None = None) -> None:
+    """`data` read by the socket into `conn.read_buffer()`, as asyncio's BufferedProtocol
+    does, in reads of the sizes in `reads` (in turn), or as large as the buffer offers."""
+    pos = 0
+    turn = 0
+    while pos < len(data):
+        view = conn.read_buffer()
+        assert len(view) >= READ_LOW
+        n = min(len(view), len(data) - pos)
+        if reads:
+            n = min(n, reads[turn % len(reads)])
+        view[:n] = data[pos : pos + n]
+        view.release()
+        conn.received(n)
+        pos += n
+        turn += 1
+        assert len(conn.rbuf) <= READ_MAX + 131072
+
+
 @settings(max_examples=100, deadline=None, derandomize=True)
 @given(
     sizes=st.lists(st.integers(0, 300_000), min_size=1, max_size=12),
@@ -249,18 +268,7 @@ def test_reads_into_the_buffer_of_any_size_keep_every_body(
     conn.feed(frame.marshal(commands.Queue.Declare(queue="q"), 1))
     bodies = [bytes([i % 251]) * size + i.to_bytes(4, "big") for i, size in enumerate(sizes)]
     data = b"".join(_publish(1, "q", b, 131072) for b in bodies)
-    pos = 0
-    turn = 0
-    while pos < len(data):
-        view = conn.read_buffer()
-        assert len(view) >= READ_LOW
-        n = min(len(view), reads[turn % len(reads)], len(data) - pos)
-        view[:n] = data[pos : pos + n]
-        view.release()
-        conn.received(n)
-        pos += n
-        turn += 1
-        assert len(conn.rbuf) <= READ_MAX + 131072
+    _read_in(conn, data, reads)
     assert conn.state == "running"
     got = [m.body_bytes() for m in conn.broker.vhost("/").queues["q"].messages]
     assert got == bodies
@@ -270,15 +278,7 @@ def test_a_connection_that_goes_quiet_gives_its_large_read_buffer_back() -> None
     conn, _transport = new_connection()
     conn.feed(frame.marshal(commands.Channel.Open(), 1))
     conn.feed(frame.marshal(commands.Queue.Declare(queue="q"), 1))
-    data = b"".join(_publish(1, "q", bytes(100_000), 131072) for _ in range(4))
-    pos = 0
-    while pos < len(data):
-        view = conn.read_buffer()
-        n = min(len(view), len(data) - pos)
-        view[:n] = data[pos : pos + n]
-        view.release()
-        conn.received(n)
-        pos += n
+    _read_in(conn, b"".join(_publish(1, "q", bytes(100_000), 131072) for _ in range(4)))
     grown = len(conn.rbuf)
     assert grown > READ_INITIAL
     assert conn.tick()  # busy since the last tick: kept

@@ -148,7 +148,6 @@ class Connection:
         self.channels: dict[int, Channel] = {}
         self.closing_channels: set[int] = set()
         self.writable = True
-        self.received_since_tick = False
         self.sent_since_tick = False
         self.missed_ticks = 0
         self.dirty_queues: dict[int, Queue] = {}
@@ -228,6 +227,7 @@ class Connection:
             end = self.rend + len(data)
             self.rbuf[self.rend : end] = data
             self.rend = end
+            self.received_bytes += len(data)
         self._handle_input()
 
     def read_buffer(self) -> memoryview:
@@ -268,18 +268,16 @@ class Connection:
             rbuf[:kept] = rbuf[start:end]  # a copy first: the two may overlap
         self.rstart, self.rend = 0, kept
 
-    def _shrink_idle_buffer(self) -> None:
-        """A connection that received less than a quarter of its large read buffer since the
-        last tick (half the heartbeat interval) gives the buffer back."""
-        light = self.received_bytes < len(self.rbuf) // 4
-        self.received_bytes = 0
+    def _shrink_idle_buffer(self, received: int) -> None:
+        """A connection that `received` less than a quarter of its large read buffer since
+        the last tick (half the heartbeat interval) gives the buffer back."""
+        light = received < len(self.rbuf) // 4
         if light and len(self.rbuf) > READ_INITIAL and self.rstart == self.rend:
             self.rbuf = bytearray(READ_INITIAL)
             self.rstart = self.rend = 0
             self.rwant = READ_INITIAL
 
     def _handle_input(self) -> None:
-        self.received_since_tick = True
         try:
             if self.state == "header":
                 head = bytes(self.rbuf[self.rstart : min(self.rend, self.rstart + 8)])
@@ -460,12 +458,12 @@ class Connection:
         if not self.sent_since_tick:
             self.write(frames.HEARTBEAT_FRAME)
         self.sent_since_tick = False
-        if self.received_since_tick:
+        received, self.received_bytes = self.received_bytes, 0
+        if received:
             self.missed_ticks = 0
         else:
             self.missed_ticks += 1
-        self.received_since_tick = False
-        self._shrink_idle_buffer()
+        self._shrink_idle_buffer(received)
         if self.missed_ticks >= 4:  # two heartbeat intervals
             log.warning(
                 "closing connection %s: missed heartbeats from client, timeout: %ds",
