@@ -24,7 +24,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # What the broker does per message: framing, routing, queues, the log and its records,
-# replication. Not replication/core.py: mypyc cannot compile a class derived from list.
+# replication.
 COMPILED = [
     "src/tandem/broker/server.py",
     "src/tandem/broker/protocol/connection.py",
@@ -41,6 +41,7 @@ COMPILED = [
     "src/tandem/broker/model/apply.py",
     "src/tandem/broker/model/shards.py",
     "src/tandem/broker/store/log.py",
+    "src/tandem/broker/replication/core.py",
     "src/tandem/broker/replication/log.py",
     "src/tandem/broker/replication/member.py",
     "src/tandem/broker/replication/wire.py",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import operator
 import random
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -64,7 +64,49 @@ def message_id(epoch: int, offset: int) -> Any:
     return (epoch, offset)
 
 
-class MessageLog(core.EpochLog):
+class EpochLog(list[int]):
+    """The epoch of each offset (offset o at index o - 1): a log that holds everything, the
+    protocol's own view of one (`core.Log`)."""
+
+    lost: bool = False
+
+    @property
+    def end(self) -> int:
+        return len(self)
+
+    @property
+    def last_epoch(self) -> int:
+        return self[-1] if self else 0
+
+    @property
+    def whole(self) -> bool:
+        return not self.lost
+
+    @property
+    def truncates(self) -> bool:
+        return True
+
+    def boundaries(self) -> core.Boundaries:
+        return core.boundaries(self)
+
+    def since(self, offset: int) -> Sequence[int] | None:
+        return tuple(self[offset:])
+
+    def digest(self) -> Any:
+        return None
+
+    def snapshot(self, theirs: Any = None) -> tuple[int, ...]:
+        return tuple(self)
+
+    def truncate(self, offset: int) -> None:
+        del self[offset:]
+
+    def install(self, boundaries: core.Boundaries, end: int, snapshot: Any) -> None:
+        self[:] = snapshot
+        self.lost = False
+
+
+class MessageLog(EpochLog):
     """A log like the broker's: each record enqueues one message, whose content is the
     (epoch, offset) that wrote it; `held` is the queue, by message id. It is never cut back:
     a member that went past the point where it agrees with the primary takes the
@@ -152,7 +194,7 @@ class World:
     def new_replica(self, n: str) -> core.Replica:
         if self.messages:
             return core.Replica(n, isr_min=self.isr_min, log=MessageLog())
-        return core.Replica(n, isr_min=self.isr_min)
+        return core.Replica(n, isr_min=self.isr_min, log=EpochLog())
 
     # -- ElectionStore --
 
@@ -391,7 +433,7 @@ class World:
             # failure the promise covers as it covers a lost disk: such a member holds less
             # than its position says until it takes a full copy.
             lose = self.rng.random() < 0.5 and self.may_lose(n)
-            if lose and isinstance(r.log, core.EpochLog):
+            if lose and isinstance(r.log, EpochLog):
                 r.log.lost = True
                 self.wiped[n] = False
                 if isinstance(r.log, MessageLog):  # its transient messages are gone

@@ -7,6 +7,7 @@ import pytest
 
 from tandem.broker.replication import core
 from tandem.ha.model import ElectionRecord, Role
+from tests.simulation.world import EpochLog
 
 
 @pytest.mark.parametrize(
@@ -34,7 +35,8 @@ def test_agreement_by_epoch_boundaries(mine: list[int], theirs: list[int], agree
 def pair() -> tuple[core.Replica, core.Replica]:
     """A primary `a` at epoch 2 with `b` following it, synced."""
     record = ElectionRecord("a", 2, frozenset("ab"), version=1)
-    a, b = core.Replica("a", epoch=2), core.Replica("b", epoch=2, incarnation=1)
+    a = core.Replica("a", EpochLog(), epoch=2)
+    b = core.Replica("b", EpochLog(), epoch=2, incarnation=1)
     a.control(core.Promote(record))
     ((_, hello),) = b.control(core.Follow("a", 2))
     ((_, sync),) = a.peer(hello)
@@ -83,7 +85,7 @@ def test_a_repeated_promotion_keeps_the_followers() -> None:
 
 
 def test_below_the_isr_minimum_the_primary_takes_no_writes() -> None:
-    a = core.Replica("a", epoch=2)
+    a = core.Replica("a", EpochLog(), epoch=2)
     a.control(core.Promote(ElectionRecord("a", 2, frozenset("a"), version=1)))
     assert not a.accepting
     a.isr_min = 1

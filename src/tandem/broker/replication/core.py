@@ -4,8 +4,8 @@ The deterministic simulation runs these state machines against a simulated netwo
 real controller's decisions; the broker's replication listener drives the same class over
 sockets. The protocol needs nothing of a record but its epoch, and (epoch, offset) names one
 record only, so a member's log is seen through the `Log` port: its end, its epoch boundaries,
-the entries after an offset while it still holds them, and a full copy. `EpochLog`, the epoch
-of each offset in a list, is the log of the simulation and of the unit tests; the broker's log
+the entries after an offset while it still holds them, and a full copy. The simulation's log
+holds the epoch of each offset in a list (`tests/simulation/world.py`); the broker's log
 ships record frames and copies its state.
 
 The rules, each from `tandem.ha.fencing` so that the simulation checks the code that runs:
@@ -82,47 +82,6 @@ class Log(Protocol):
 
     def install(self, boundaries: Boundaries, end: int, snapshot: Any) -> None:
         """Replace everything with a full copy of another member's log."""
-
-
-class EpochLog(list[int]):
-    """The epoch of each offset (offset o at index o - 1): a log that holds everything."""
-
-    lost: bool = False
-
-    @property
-    def end(self) -> int:
-        return len(self)
-
-    @property
-    def last_epoch(self) -> int:
-        return self[-1] if self else 0
-
-    @property
-    def whole(self) -> bool:
-        return not self.lost
-
-    @property
-    def truncates(self) -> bool:
-        return True
-
-    def boundaries(self) -> Boundaries:
-        return boundaries(self)
-
-    def since(self, offset: int) -> Sequence[int] | None:
-        return tuple(self[offset:])
-
-    def digest(self) -> Any:
-        return None
-
-    def snapshot(self, theirs: Any = None) -> tuple[int, ...]:
-        return tuple(self)
-
-    def truncate(self, offset: int) -> None:
-        del self[offset:]
-
-    def install(self, boundaries: Boundaries, end: int, snapshot: Any) -> None:
-        self[:] = snapshot
-        self.lost = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,11 +199,11 @@ MAX_QUIET_TICKS = 120  # a member whose copies keep failing asks again at least 
 @dataclass(slots=True)
 class Replica:
     node: str
+    log: Log  # durable, as the epoch is
     isr_min: int = 2
     incarnation: int = 0  # differs after each restart (the broker uses its start time)
     # Durable: what survives a crash.
     epoch: int = 0
-    log: Log = field(default_factory=EpochLog)
     # Volatile.
     role: Role = Role.BACKUP
     following: str | None = None
