@@ -154,6 +154,10 @@ class Member:
         self.replica.restart(time.time_ns())
         self.peers: dict[str, asyncio.StreamWriter] = {}  # followers, by node
         self.upstream: asyncio.StreamWriter | None = None  # the link to our primary
+        # The kinds each end of a link said it takes beyond the first (wire.TAKES): each
+        # follower's, and our primary's.
+        self.takes: dict[str, tuple[int, ...]] = {}
+        self.upstream_takes: tuple[int, ...] = ()
         self.primary_address: tuple[str, int] | None = None
         self.link: asyncio.Task[None] | None = None
         self.tg: asyncio.TaskGroup | None = None
@@ -364,6 +368,7 @@ class Member:
             self.sequencer.progress()
 
     def _send(self, outs: Sequence[core.Out]) -> None:
+        made: tuple[core.Append, tuple[int, ...], bytes] | None = None  # the last Append
         for dest, msg in outs:
             if isinstance(msg, core.Ack) and self.store is not None:
                 self.ack = (dest, msg, self.store.handed)  # sent once that is on disk
@@ -374,7 +379,19 @@ class Member:
             if isinstance(msg, core.Sync) and isinstance(msg.full, Copy):
                 self._send_copy(dest, msg)
                 continue
-            self._write(dest, wire.encode(msg))
+            if isinstance(msg, core.Append):
+                # The same records go to every follower: encoded once for those that read
+                # the same kinds.
+                takes = self.takes.get(dest, ())
+                if made is None or made[1] != takes or made[0].entries is not msg.entries:
+                    made = (msg, takes, self._encode(dest, msg))
+                self._write(dest, made[2])
+                continue
+            self._write(dest, self._encode(dest, msg))
+
+    def _encode(self, dest: str, msg: core.PeerMessage) -> bytes:
+        up = dest == self.replica.following
+        return wire.encode(msg, self.upstream_takes if up else self.takes.get(dest, ()))
 
     def _send_copy(self, dest: str, sync: core.Sync) -> None:
         """Make a copy's frames and its message on another thread: with millions of
@@ -419,7 +436,7 @@ class Member:
                 store.when_synced(self._send_ack)
                 return
             self.ack = None
-            self._write(dest, wire.encode(msg))
+            self._write(dest, self._encode(dest, msg))
         self.ack_scheduled = False
 
     def _write(self, dest: str, data: bytes) -> None:
@@ -534,8 +551,9 @@ class Member:
         peer = "?"
         try:
             nonce = secrets.token_hex(16)
-            hello = {"version": wire.VERSION, "node": self.node, "nonce": nonce}
+            hello: dict[str, Any] = {"version": wire.VERSION, "node": self.node, "nonce": nonce}
             hello["cluster"] = self.state.cluster
+            hello["takes"] = list(wire.TAKES)
             writer.write(wire.pack(wire.CHALLENGE, hello))
             kind, answer, _ = await _read(reader)
             peer = str(answer.get("node", "?"))
@@ -551,6 +569,7 @@ class Member:
                 old.close()
             self._forget(peer)
             self.peers[peer] = writer
+            self.takes[peer] = wire.takes(answer)
             log.info("node %s: member %s connected for replication", self.node, peer)
             while True:
                 data = await _read_raw(reader)
@@ -564,6 +583,7 @@ class Member:
         finally:
             if self.peers.get(peer) is writer:
                 del self.peers[peer]
+                self.takes.pop(peer, None)
                 self._forget(peer)
                 before = (self.replica.role, self.replica.epoch)
                 self.replica.disconnected(peer)
@@ -665,6 +685,7 @@ class Member:
                 "node": self.node,
                 "cluster": mine,
                 "proof": wire.proof(self.key, nonce, self.node),
+                "takes": list(wire.TAKES),
             }
             writer.write(wire.pack(wire.ANSWER, answer))
             kind, reply, _ = await _read(reader)
@@ -675,6 +696,7 @@ class Member:
             if theirs and not mine:
                 self.state.save(self.replica.epoch, theirs)
             self.upstream = writer
+            self.upstream_takes = wire.takes(challenge)
             self.refused = None
             log.info("node %s: replicating from %s at %s:%d", self.node, primary, host, port)
             self._control(core.Follow(primary, self.replica.epoch))  # a fresh Hello

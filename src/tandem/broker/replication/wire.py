@@ -1,8 +1,12 @@
 """The replication protocol on the wire, pure: peer messages to bytes and back.
 
-    length u32 | kind u8 | header length u32 | header (JSON) | record frames
+    length u32 | kind u8 | header length u32 | header | record frames
 
-The header holds a message's fields; entries (and a full copy) are record frames, sent as
+The header holds a message's fields, as JSON, except in the two kinds sent once per batch of
+records, which a peer that says it takes them (`TAKES`, in the challenge and its answer) gets
+with their few numbers packed: APPEND_B and ACK_B. A JSON header cost a member more CPU per
+batch than writing it to disk (docs/performance.md), and a member that does not know them
+still gets APPEND and ACK. Entries (and a full copy) are record frames, sent as
 they are on disk, one after another (each frame says its own length). A copy larger than
 `COPY_MESSAGE` goes as SYNC_PART messages, each with some of its frames, then the SYNC with
 the rest: no message need be larger than a receiver takes (`MAX_MESSAGE`), and a receiver
@@ -32,6 +36,10 @@ PIECE_BYTES = 4 << 20  # frames joined at a time into a piece of a copy (encode_
 COPY_MESSAGE = 256 << 20  # frames' bytes in one message of a copy
 
 HELLO, SYNC, APPEND, ACK, REJOIN, STALE, SYNC_PART = 1, 2, 3, 4, 5, 6, 7
+APPEND_B, ACK_B = 8, 9  # APPEND and ACK with packed headers, to a peer that takes them
+TAKES = (APPEND_B, ACK_B)  # the kinds past version 1's first ones that this member reads
+APPEND_HEAD = struct.Struct(">QQH")  # epoch, start, the sender's length; then the sender
+ACK_HEAD = struct.Struct(">QQQQH")  # epoch, session, offset, the sender's length; the sender
 CHALLENGE, ANSWER, WELCOME, REFUSE = 10, 11, 12, 13
 
 _KINDS: dict[type, int] = {
@@ -54,8 +62,27 @@ def pack(kind: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> byt
     return HEAD.pack(1 + 4 + len(head) + len(body), kind, len(head)) + head + body
 
 
-def encode(msg: core.PeerMessage) -> bytes:
+def encode(msg: core.PeerMessage, takes: Sequence[int] = ()) -> bytes:
+    """`msg` as bytes for a peer that reads the kinds in `takes` beyond the first ones."""
+    if isinstance(msg, core.Append) and APPEND_B in takes:
+        sender = msg.sender.encode()
+        head = APPEND_HEAD.pack(msg.epoch, msg.start, len(sender)) + sender
+        body = b"".join(msg.entries)
+        return HEAD.pack(1 + 4 + len(head) + len(body), APPEND_B, len(head)) + head + body
+    if isinstance(msg, core.Ack) and ACK_B in takes:
+        sender = msg.sender.encode()
+        a, b = msg.session
+        head = ACK_HEAD.pack(msg.epoch, a, b, msg.offset, len(sender)) + sender
+        return HEAD.pack(1 + 4 + len(head), ACK_B, len(head)) + head
     return pack(*_fields(msg))
+
+
+def takes(said: dict[str, Any]) -> tuple[int, ...]:
+    """The kinds a peer said it takes, in its challenge or its answer, that this one sends."""
+    theirs = said.get("takes")
+    if not isinstance(theirs, list):
+        return ()
+    return tuple(k for k in TAKES if k in theirs)
 
 
 def encode_parts(msg: core.Sync) -> list[bytes]:
@@ -170,6 +197,8 @@ class Upstream:
         self.session: core.Session | None = None
 
     def take(self, data: bytes) -> core.PeerMessage | None:
+        if data[4] in TAKES:
+            return _packed(data)
         kind, h, body = header(data)
         if kind == SYNC_PART:
             try:
@@ -189,7 +218,29 @@ class Upstream:
 
 
 def decode(data: bytes) -> core.PeerMessage:
+    if data[4] in TAKES:
+        return _packed(data)
     return _decode(*header(data))
+
+
+def _packed(data: bytes) -> core.PeerMessage:
+    """An APPEND_B or ACK_B message."""
+    length, kind, hlen = HEAD.unpack_from(data, 0)
+    at = HEAD.size
+    try:
+        if kind == APPEND_B:
+            epoch, start, n = APPEND_HEAD.unpack_from(data, at)
+            if APPEND_HEAD.size + n != hlen:
+                raise ValueError("its header's length does not add up")
+            sender = data[at + APPEND_HEAD.size : at + hlen].decode()
+            return core.Append(sender, epoch, start, frames(data[at + hlen : 4 + length]))
+        epoch, a, b, offset, n = ACK_HEAD.unpack_from(data, at)
+        if ACK_HEAD.size + n != hlen or 4 + length != at + hlen:
+            raise ValueError("its header's length does not add up")
+        sender = data[at + ACK_HEAD.size : at + hlen].decode()
+        return core.Ack(sender, epoch, (a, b), offset)
+    except (struct.error, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise WireError(f"bad message of kind {kind}: {exc!r}") from None
 
 
 def _decode(kind: int, h: dict[str, Any], body: bytes) -> core.PeerMessage:
