@@ -42,6 +42,7 @@ COMPILED = [
     "src/tandem/broker/model/shards.py",
     "src/tandem/broker/store/log.py",
     "src/tandem/broker/replication/core.py",
+    "src/tandem/broker/replication/link.py",
     "src/tandem/broker/replication/log.py",
     "src/tandem/broker/replication/member.py",
     "src/tandem/broker/replication/wire.py",

@@ -17,6 +17,7 @@ from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.message import Message
 from tandem.broker.replication import core, member, wire
+from tandem.broker.replication.link import Link
 from tandem.broker.store.log import Store
 from tandem.ha.model import ElectionRecord
 
@@ -30,30 +31,42 @@ class Hooks:
 
 
 class Transport:
+    """A connection's transport that keeps what the member wrote to it."""
+
     def __init__(self) -> None:
-        self.unsent = 0  # bytes written and not yet taken by the follower
+        self.unsent = 0  # bytes written and not yet taken by the peer
         self.aborted = False
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.unsent += len(data)
+        self.data += data
 
     def get_write_buffer_size(self) -> int:
         return self.unsent
 
+    def is_closing(self) -> bool:
+        return self.aborted
+
     def abort(self) -> None:
+        self.aborted = True
+
+    def close(self) -> None:
         self.aborted = True
 
 
 class Follower:
-    """The primary's end of a follower's connection: what it was sent, as wire kinds."""
+    """The primary's end of a follower's connection: a real Link over a Transport that
+    keeps what it was sent, read back as wire kinds."""
 
-    def __init__(self) -> None:
-        self.transport = Transport()
-        self.data = b""
+    def __init__(self, transport: Transport | None = None) -> None:
+        self.transport = transport or Transport()
+        self.link = Link()
+        self.link.transport = self.transport
 
-    def is_closing(self) -> bool:
-        return self.transport.aborted
-
-    def write(self, data: bytes) -> None:
-        self.transport.unsent += len(data)
-        self.data += data
+    @property
+    def data(self) -> bytes:
+        return self.transport.data
 
     def kinds(self) -> list[int]:
         out, data = [], self.data
@@ -86,7 +99,7 @@ def primary_with_follower() -> tuple[member.Member, Follower, Broker]:
         publish(q)
     m._flush(due=True)
     follower = Follower()
-    m.peers["b"] = follower  # type: ignore[assignment]
+    m.peers["b"] = follower.link
     return m, follower, b
 
 
@@ -167,7 +180,7 @@ def test_a_copy_made_for_a_primary_that_stepped_down_is_not_sent(slow_bytes: int
     asyncio.run(run())
 
 
-class Primary(Follower):
+class Primary(Transport):
     """A backup's end of its link to the primary: each ack it sends, with how far the
     backup's store had synced when it went."""
 
@@ -197,7 +210,7 @@ def test_a_backup_acks_records_only_once_they_are_on_its_disk(tmp_path: Path) ->
         b = member.Member("b", broker, seq, store, Hooks(), key=b"k" * 16, data_dir=None, isr_min=1)
         b.loop = asyncio.get_running_loop()
         upstream = Primary(store)
-        b.upstream = upstream  # type: ignore[assignment]
+        b.upstream = Follower(upstream).link
         b._control(core.Follow("a", 1))
         a.on_peer(wire.decode(upstream.data))  # its Hello: a Sync of the 50 messages
         b.on_peer(wire.decode(to_b.data))

@@ -43,14 +43,14 @@ def test_what_nothing_waits_for_goes_within_the_lazy_delay() -> None:
     async def run() -> None:
         m, follower, b = await synced_follower()
         sent = asyncio.get_running_loop().create_future()
-        write = follower.write
+        write = follower.transport.write
 
         def recorded(data: bytes) -> None:
             write(data)
             if not sent.done():
                 sent.set_result(None)
 
-        follower.write = recorded  # type: ignore[method-assign]
+        follower.transport.write = recorded  # type: ignore[method-assign]
         publish(b.vhost("/").queues["q"])
         m._flush()
         assert follower.kinds() == [wire.SYNC]

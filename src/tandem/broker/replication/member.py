@@ -39,6 +39,7 @@ from tandem.broker.model import apply
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.replication import core, wire
+from tandem.broker.replication.link import Link
 from tandem.broker.replication.log import BrokerLog, Copy
 from tandem.broker.status import MemberReport, ReplicationStatus
 from tandem.broker.store.files import replace_file
@@ -152,8 +153,9 @@ class Member:
             self.log.drop_enqueues(fault.partition(":")[2])
         self.replica = core.Replica(node, isr_min=isr_min, epoch=self.state.epoch, log=self.log)
         self.replica.restart(time.time_ns())
-        self.peers: dict[str, asyncio.StreamWriter] = {}  # followers, by node
-        self.upstream: asyncio.StreamWriter | None = None  # the link to our primary
+        self.peers: dict[str, Link] = {}  # followers, by node
+        self.upstream: Link | None = None  # the link to our primary
+        self.handshakes: set[asyncio.Task[None]] = set()  # followers' connections, by task
         # The kinds each end of a link said it takes beyond the first (wire.TAKES): each
         # follower's, and our primary's.
         self.takes: dict[str, tuple[int, ...]] = {}
@@ -180,6 +182,7 @@ class Member:
         self.copy_bytes: dict[str, list[int]] = {}
         self.ack_scheduled = False
         self.refused: str | None = None  # why this member cannot join its primary
+        self.blocked: str | None = None  # why publishers wait, as the node was last told
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: asyncio.Server | None = None
         self.failovers = 0
@@ -345,7 +348,7 @@ class Member:
             self.hooks.demoted(r.epoch)
             self.sequencer.applying = True
             self.log.lost = True  # what it did alone since is not the cluster's history
-            self.hooks.isr_blocked(None)
+            self._blocked(None)
         elif r.role is Role.PRIMARY and role is not Role.PRIMARY:
             if not self.state.cluster:
                 self.state.save(r.epoch, uuid.uuid4().hex)
@@ -358,7 +361,7 @@ class Member:
             self.log.lost = False
             self.hooks.promoted(r.epoch)
         if r.role is Role.PRIMARY:
-            self.hooks.isr_blocked(
+            self._blocked(
                 None
                 if r.accepting
                 else f"the in-sync set {sorted(r.isr)} is below its minimum of {r.isr_min}"
@@ -366,6 +369,13 @@ class Member:
                 "member catches up"
             )
             self.sequencer.progress()
+
+    def _blocked(self, reason: str | None) -> None:
+        """Tell the node why publishers wait, when that changed (this runs after every
+        message a member takes)."""
+        if reason != self.blocked:
+            self.blocked = reason
+            self.hooks.isr_blocked(reason)
 
     def _send(self, outs: Sequence[core.Out]) -> None:
         made: tuple[core.Append, tuple[int, ...], bytes] | None = None  # the last Append
@@ -501,9 +511,9 @@ class Member:
     # -- the listener --
 
     async def start(self) -> int:
-        self.loop = asyncio.get_running_loop()
-        self.server = await asyncio.start_server(
-            self._accept, self.host, self.port, ssl=self.server_ssl
+        loop = self.loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(
+            lambda: Link(self._opened), self.host, self.port, ssl=self.server_ssl
         )
         # A list under uvloop, not the tuple typeshed says, and compiled code checks the type
         # of what it reads: read as Any.
@@ -547,7 +557,13 @@ class Member:
             except Exception:
                 log.exception("unexpected error, please report it as a bug: replication tick")
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _opened(self, link: Link) -> None:
+        assert self.loop is not None
+        task = self.loop.create_task(self._accept(link))
+        self.handshakes.add(task)  # the loop holds its tasks weakly
+        task.add_done_callback(self.handshakes.discard)
+
+    async def _accept(self, writer: Link) -> None:
         peer = "?"
         try:
             nonce = secrets.token_hex(16)
@@ -555,14 +571,13 @@ class Member:
             hello["cluster"] = self.state.cluster
             hello["takes"] = list(wire.TAKES)
             writer.write(wire.pack(wire.CHALLENGE, hello))
-            kind, answer, _ = await _read(reader)
+            kind, answer, _ = wire.header(await writer.read())
             peer = str(answer.get("node", "?"))
             why = self._check_answer(kind, answer, nonce)
             if why is not None:
                 log.warning("node %s: refused replication from %s: %s", self.node, peer, why)
                 writer.write(wire.pack(wire.REFUSE, {"reason": why}))
-                await writer.drain()
-                return
+                return  # closing sends what is written first
             writer.write(wire.pack(wire.WELCOME, {"node": self.node}))
             old = self.peers.get(peer)
             if old is not None:
@@ -571,10 +586,8 @@ class Member:
             self.peers[peer] = writer
             self.takes[peer] = wire.takes(answer)
             log.info("node %s: member %s connected for replication", self.node, peer)
-            while True:
-                data = await _read_raw(reader)
-                self.on_peer(wire.decode(data))
-        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            await writer.serve(lambda data: self.on_peer(wire.decode(data)))
+        except (ConnectionError, ssl.SSLError):
             pass
         except wire.WireError as exc:
             log.warning("node %s: replication from %s: %s; disconnecting", self.node, peer, exc)
@@ -648,7 +661,7 @@ class Member:
                 log.error("node %s cannot replicate from %s: %s", self.node, primary, refused)
                 if refused.final:
                     return
-            except (OSError, asyncio.IncompleteReadError, ssl.SSLError, wire.WireError) as exc:
+            except (OSError, ssl.SSLError, wire.WireError) as exc:
                 log.info("node %s: link to primary %s: %r", self.node, primary, exc)
             except Exception:
                 log.exception("unexpected error, please report it as a bug: replication link")
@@ -660,11 +673,12 @@ class Member:
 
     async def _linked(self, primary: str, address: tuple[str, int]) -> None:
         host, port = address
-        reader, writer = await asyncio.open_connection(
-            host, port, ssl=self.client_ssl, server_hostname=host if self.client_ssl else None
+        assert self.loop is not None
+        _, writer = await self.loop.create_connection(
+            Link, host, port, ssl=self.client_ssl, server_hostname=host if self.client_ssl else None
         )
         try:
-            kind, challenge, _ = await _read(reader)
+            kind, challenge, _ = wire.header(await writer.read())
             if kind != wire.CHALLENGE:
                 raise RefusedError("the primary did not send a challenge")
             if challenge.get("version") != wire.VERSION:
@@ -688,7 +702,7 @@ class Member:
                 "takes": list(wire.TAKES),
             }
             writer.write(wire.pack(wire.ANSWER, answer))
-            kind, reply, _ = await _read(reader)
+            kind, reply, _ = wire.header(await writer.read())
             if kind == wire.REFUSE:
                 raise RefusedError(str(reply.get("reason", "refused")))
             if kind != wire.WELCOME:
@@ -701,10 +715,13 @@ class Member:
             log.info("node %s: replicating from %s at %s:%d", self.node, primary, host, port)
             self._control(core.Follow(primary, self.replica.epoch))  # a fresh Hello
             upstream = wire.Upstream()
-            while True:
-                msg = upstream.take(await _read_raw(reader))
+
+            def take(data: bytes) -> None:
+                msg = upstream.take(data)
                 if msg is not None:
                     self.on_peer(msg)
+
+            await writer.serve(take)
         finally:
             writer.close()
 
@@ -747,15 +764,3 @@ class Member:
             out.applied_version, out.confirmed = r.applied_version, r.confirmed
             out.accepting, out.members = r.accepting, members
         return out
-
-
-async def _read_raw(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readexactly(wire.HEAD.size)
-    length = int.from_bytes(head[:4], "big")
-    if length > wire.MAX_MESSAGE or length < 5:
-        raise wire.WireError(f"bad message length {length}")
-    return head + await reader.readexactly(length - (wire.HEAD.size - 4))
-
-
-async def _read(reader: asyncio.StreamReader) -> tuple[int, dict[str, Any], bytes]:
-    return wire.header(await _read_raw(reader))

@@ -1,0 +1,128 @@
+"""One replication connection, at either end: an asyncio protocol that cuts its bytes into
+whole peer messages (wire.py's framing) and hands each to the member as it arrives.
+
+The two ends' handshake (challenge, answer, welcome) is awaited a message at a time with
+`read`. After it, `serve` hands every message to a callback inside the read that brought it,
+with no stream, future or task step between the socket and the member: at a confirm window
+of one, each message was a wakeup of its own, and asyncio's streams cost the primary about a
+tenth of its CPU (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+from typing import Any
+
+from tandem.broker.replication import wire
+
+
+class Link(asyncio.Protocol):
+    """The write side is what the member needs of a connection: `write`, `is_closing`,
+    `close`, and `transport` for its write buffer's size and `abort`."""
+
+    def __init__(self, on_open: Callable[[Link], None] | None = None) -> None:
+        self.on_open = on_open  # told once the connection is made (a listener's)
+        self.transport: Any = None  # uvloop's transports are no asyncio.Transport
+        self.buf = bytearray()
+        self.messages: collections.deque[bytes] = collections.deque()  # read, not yet asked for
+        self.waiter: asyncio.Future[None] | None = None  # a `read` waiting for a message
+        self.handler: Callable[[bytes], None] | None = None  # once `serve` began
+        self.done: asyncio.Future[None] | None = None  # ends `serve`
+        self.error: BaseException | None = None  # why it ended, once it did
+
+    # -- asyncio.Protocol --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        if self.on_open is not None:
+            self.on_open(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.error is not None:
+            return  # ended by a bad message or a callback's error: the rest is not read
+        buf = self.buf
+        buf += data
+        start, n = 0, len(buf)
+        try:
+            while n - start >= 4:
+                length = int.from_bytes(buf[start : start + 4], "big")
+                if length > wire.MAX_MESSAGE or length < 5:
+                    raise wire.WireError(f"bad message length {length}")
+                end = start + 4 + length
+                if end > n:
+                    break
+                with memoryview(buf) as view:
+                    message = bytes(view[start:end])
+                start = end
+                if self.handler is not None:
+                    self.handler(message)
+                    if self.error is not None:
+                        return
+                else:
+                    self.messages.append(message)
+                    self._wake()
+        except Exception as exc:
+            self._end(exc)
+            self.transport.abort()
+            return
+        finally:
+            if start:
+                del buf[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(exc if exc is not None else ConnectionResetError("the peer closed it"))
+
+    # -- reading --
+
+    async def read(self) -> bytes:
+        """The next whole message, for the handshake; raises once the connection ended."""
+        while not self.messages:
+            if self.error is not None:
+                raise self.error
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.messages.popleft()
+
+    async def serve(self, handler: Callable[[bytes], None]) -> None:
+        """Hand every message from now on to `handler`, as it arrives, until the
+        connection ends; then raise why it ended (the handler's error, a bad message, or
+        a ConnectionError)."""
+        self.done = asyncio.get_running_loop().create_future()
+        try:
+            while self.messages and self.error is None:
+                handler(self.messages.popleft())
+        except Exception as exc:
+            self._end(exc)
+            self.transport.abort()
+        self.handler = handler
+        if self.error is None:
+            await self.done
+        assert self.error is not None
+        raise self.error
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def _end(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self._wake()
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    # -- writing --
+
+    def write(self, data: bytes) -> None:
+        self.transport.write(data)
+
+    def is_closing(self) -> bool:
+        return bool(self.transport.is_closing())
+
+    def close(self) -> None:
+        self.transport.close()

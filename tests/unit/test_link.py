@@ -1,0 +1,115 @@
+"""A replication connection's protocol (replication/link.py): whatever the reads' sizes, the
+handshake reads and the callback after it get every message whole, once and in order; a bad
+length or a callback's error ends the connection with that error."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem.broker.replication import core, wire
+from tandem.broker.replication.link import Link
+from tests.unit.test_member_copy import Transport
+
+
+def _messages(count: int, sizes: list[int]) -> list[bytes]:
+    return [
+        wire.pack(wire.CHALLENGE, {"n": n}, [bytes([n % 251]) * sizes[n % len(sizes)]])
+        for n in range(count)
+    ]
+
+
+def _opened() -> tuple[Link, Transport]:
+    link, transport = Link(), Transport()
+    link.connection_made(transport)  # type: ignore[arg-type]
+    return link, transport
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    count=st.integers(1, 12),
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=4),
+    handshake=st.integers(0, 3),
+    reads=st.lists(st.integers(1, 5000), min_size=1, max_size=30),
+)
+def test_messages_arrive_whole_and_in_order_whatever_the_reads(
+    count: int, sizes: list[int], handshake: int, reads: list[int]
+) -> None:
+    sent = _messages(count, sizes)
+    data = b"".join(sent)
+
+    async def run() -> list[bytes]:
+        link, _ = _opened()
+        got: list[bytes] = []
+
+        async def far_end() -> None:
+            pos, i = 0, 0
+            while pos < len(data):
+                n = reads[i % len(reads)]
+                link.data_received(data[pos : pos + n])
+                pos, i = pos + n, i + 1
+                await asyncio.sleep(0)
+            link.connection_lost(None)
+
+        feeding = asyncio.create_task(far_end())
+        for _ in range(min(handshake, count)):
+            got.append(await link.read())
+        with pytest.raises(ConnectionError):
+            await link.serve(got.append)
+        await feeding
+        with pytest.raises(ConnectionError):
+            await link.read()  # ended: a read says so rather than waiting
+        return got
+
+    assert asyncio.run(run()) == sent
+
+
+def test_a_bad_length_ends_the_connection_and_nothing_after_it_is_taken() -> None:
+    async def run() -> None:
+        link, transport = _opened()
+        got: list[bytes] = []
+        serving = asyncio.create_task(link.serve(got.append))
+        await asyncio.sleep(0)
+        good = wire.encode(core.Ack("b", 1, (5, 1), 9), wire.TAKES)
+        link.data_received(good + (3).to_bytes(4, "big") + good)
+        with pytest.raises(wire.WireError, match="bad message length 3"):
+            await serving
+        assert got == [good] and transport.aborted
+        link.data_received(good)  # what the transport still hands in is not read
+        assert got == [good]
+
+    asyncio.run(run())
+
+
+def test_a_callbacks_error_ends_the_connection_with_that_error() -> None:
+    async def run() -> None:
+        link, transport = _opened()
+        taken: list[core.PeerMessage] = []
+
+        def take(data: bytes) -> None:
+            taken.append(wire.decode(data))
+
+        good = wire.encode(core.Ack("b", 1, (5, 1), 9))
+        link.data_received(good + good[:4] + bytes([wire.ACK]) + good[5:-2] + b"}}")
+        with pytest.raises(wire.WireError, match="bad message header"):
+            await link.serve(take)  # the messages read before serve are taken first
+        assert len(taken) == 1 and transport.aborted
+
+    asyncio.run(run())
+
+
+def test_a_connection_lost_mid_message_ends_a_read() -> None:
+    async def run() -> None:
+        link, _ = _opened()
+        reading = asyncio.create_task(link.read())
+        link.data_received(wire.pack(wire.CHALLENGE, {"node": "a"})[:-1])
+        await asyncio.sleep(0)
+        assert not reading.done()
+        link.connection_lost(OSError("reset"))
+        with pytest.raises(OSError, match="reset"):
+            await reading
+
+    asyncio.run(run())
