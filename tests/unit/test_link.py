@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.broker.replication import core, wire
-from tandem.broker.replication.link import Link
+from tandem.broker.replication.link import HANDSHAKE_BYTES, Link
 from tests.unit.test_member_copy import Transport
 
 
@@ -111,5 +111,61 @@ def test_a_connection_lost_mid_message_ends_a_read() -> None:
         link.connection_lost(OSError("reset"))
         with pytest.raises(OSError, match="reset"):
             await reading
+
+    asyncio.run(run())
+
+
+def test_before_the_handshake_ends_a_message_may_not_be_large() -> None:
+    """A peer that has not yet proved the cluster key is owed no more memory than a
+    challenge or an answer takes; after it, a message may be as large as a copy's."""
+
+    async def run() -> None:
+        link, transport = _opened()
+        big = wire.pack(wire.CHALLENGE, {}, [b"x" * (HANDSHAKE_BYTES + 1)])
+        link.data_received(big[:1000])
+        with pytest.raises(wire.WireError, match="a handshake message of"):
+            await link.read()
+        assert transport.aborted
+
+        link, transport = _opened()
+        got: list[bytes] = []
+        serving = asyncio.create_task(link.serve(got.append))
+        await asyncio.sleep(0)
+        link.data_received(big)
+        link.connection_lost(None)
+        with pytest.raises(ConnectionError):
+            await serving
+        assert got == [big] and not transport.aborted
+
+    asyncio.run(run())
+
+
+def test_what_arrives_after_this_end_closed_is_not_handed_on() -> None:
+    async def run() -> None:
+        link, _ = _opened()
+        got: list[bytes] = []
+        serving = asyncio.create_task(link.serve(got.append))
+        await asyncio.sleep(0)
+        message = wire.pack(wire.CHALLENGE, {"n": 1})
+        link.data_received(message)
+        link.close()
+        link.data_received(message)
+        with pytest.raises(ConnectionAbortedError):
+            await serving
+        assert got == [message]
+
+    asyncio.run(run())
+
+
+def test_messages_read_before_the_end_are_handed_on_before_it_is_said() -> None:
+    async def run() -> None:
+        link, _ = _opened()
+        messages = _messages(3, [10])
+        link.data_received(b"".join(messages))
+        link.connection_lost(None)
+        got: list[bytes] = []
+        with pytest.raises(ConnectionResetError):
+            await link.serve(got.append)
+        assert got == messages
 
     asyncio.run(run())

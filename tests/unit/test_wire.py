@@ -75,6 +75,14 @@ def test_a_packed_header_that_does_not_add_up_ends_the_link(damage: str) -> None
         wire.decode(bytes(data))
 
 
+def test_an_append_whose_header_runs_past_its_message_ends_the_link() -> None:
+    data = bytearray(wire.encode(core.Append("prim", 1, 1, ()), wire.TAKES))
+    data[5:9] = (len(data) - 9 + 1).to_bytes(4, "big")  # a header a byte longer than sent
+    data[-5 - 2 : -5] = (5).to_bytes(2, "big")  # and a sender to fill it
+    with pytest.raises(wire.WireError, match="bad message of kind 8"):
+        wire.decode(bytes(data))
+
+
 def test_a_primary_sends_a_follower_the_kinds_it_said_it_takes() -> None:
     """The same batch goes packed to a follower that takes APPEND_B and as JSON to one that
     said nothing: a cluster mid-upgrade keeps replicating."""

@@ -17,6 +17,9 @@ from typing import Any
 
 from tandem.broker.replication import wire
 
+HANDSHAKE_BYTES = 1 << 16  # the most a message may hold before `serve`: before the peer proved
+# the cluster key, a peer is owed no more memory than a challenge or an answer takes
+
 
 class Link(asyncio.Protocol):
     """The write side is what the member needs of a connection: `write`, `is_closing`,
@@ -50,6 +53,8 @@ class Link(asyncio.Protocol):
                 length = int.from_bytes(buf[start : start + 4], "big")
                 if length > wire.MAX_MESSAGE or length < 5:
                     raise wire.WireError(f"bad message length {length}")
+                if self.handler is None and length > HANDSHAKE_BYTES:
+                    raise wire.WireError(f"a handshake message of {length} bytes")
                 end = start + 4 + length
                 if end > n:
                     break
@@ -94,14 +99,18 @@ class Link(asyncio.Protocol):
         a ConnectionError)."""
         self.done = asyncio.get_running_loop().create_future()
         try:
-            while self.messages and self.error is None:
+            while self.messages:  # read before this, even if the connection ended since
                 handler(self.messages.popleft())
         except Exception as exc:
+            self.error = None  # the handler's error is why, not the end that followed
             self._end(exc)
             self.transport.abort()
         self.handler = handler
-        if self.error is None:
-            await self.done
+        try:
+            if self.error is None:
+                await self.done
+        finally:
+            self.handler = None  # ended, or cancelled: nothing more is handed on
         assert self.error is not None
         raise self.error
 
@@ -125,4 +134,6 @@ class Link(asyncio.Protocol):
         return bool(self.transport.is_closing())
 
     def close(self) -> None:
+        """Close; what the transport still reads is not handed on."""
+        self._end(ConnectionAbortedError("closed by this member"))
         self.transport.close()

@@ -155,7 +155,7 @@ class Member:
         self.replica.restart(time.time_ns())
         self.peers: dict[str, Link] = {}  # followers, by node
         self.upstream: Link | None = None  # the link to our primary
-        self.handshakes: set[asyncio.Task[None]] = set()  # followers' connections, by task
+        self.accepted: set[asyncio.Task[None]] = set()  # each follower connection's task
         # The kinds each end of a link said it takes beyond the first (wire.TAKES): each
         # follower's, and our primary's.
         self.takes: dict[str, tuple[int, ...]] = {}
@@ -374,8 +374,8 @@ class Member:
         """Tell the node why publishers wait, when that changed (this runs after every
         message a member takes)."""
         if reason != self.blocked:
-            self.blocked = reason
             self.hooks.isr_blocked(reason)
+            self.blocked = reason  # once told: a hook that failed is called again
 
     def _send(self, outs: Sequence[core.Out]) -> None:
         made: tuple[core.Append, tuple[int, ...], bytes] | None = None  # the last Append
@@ -393,7 +393,7 @@ class Member:
                 # The same records go to every follower: encoded once for those that read
                 # the same kinds.
                 takes = self.takes.get(dest, ())
-                if made is None or made[1] != takes or made[0].entries is not msg.entries:
+                if made is None or made[1] != takes or not _same(made[0], msg):
                     made = (msg, takes, self._encode(dest, msg))
                 self._write(dest, made[2])
                 continue
@@ -525,6 +525,8 @@ class Member:
             self.tg = tg
             tg.create_task(self._ticker(stop))
             await stop.wait()
+            for task in list(self.accepted):
+                task.cancel()  # connections still in their handshake
             self._stop_link()
             if self.server is not None:
                 self.server.close()
@@ -560,8 +562,8 @@ class Member:
     def _opened(self, link: Link) -> None:
         assert self.loop is not None
         task = self.loop.create_task(self._accept(link))
-        self.handshakes.add(task)  # the loop holds its tasks weakly
-        task.add_done_callback(self.handshakes.discard)
+        self.accepted.add(task)  # the loop holds its tasks weakly
+        task.add_done_callback(self.accepted.discard)
 
     async def _accept(self, writer: Link) -> None:
         peer = "?"
@@ -764,3 +766,9 @@ class Member:
             out.applied_version, out.confirmed = r.applied_version, r.confirmed
             out.accepting, out.members = r.accepting, members
         return out
+
+
+def _same(a: core.Append, b: core.Append) -> bool:
+    """The same records from the same place (`Replica.appended` gives every follower its own
+    Append of one list)."""
+    return a.entries is b.entries and a.start == b.start and a.epoch == b.epoch

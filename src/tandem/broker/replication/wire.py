@@ -230,7 +230,7 @@ def _packed(data: bytes) -> core.PeerMessage:
     try:
         if kind == APPEND_B:
             epoch, start, n = APPEND_HEAD.unpack_from(data, at)
-            if APPEND_HEAD.size + n != hlen:
+            if APPEND_HEAD.size + n != hlen or at + hlen > 4 + length:
                 raise ValueError("its header's length does not add up")
             sender = data[at + APPEND_HEAD.size : at + hlen].decode()
             return core.Append(sender, epoch, start, frames(data[at + hlen : 4 + length]))
