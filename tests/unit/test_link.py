@@ -169,3 +169,26 @@ def test_messages_read_before_the_end_are_handed_on_before_it_is_said() -> None:
         assert got == messages
 
     asyncio.run(run())
+
+
+def test_a_peer_silent_in_the_handshake_is_closed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A connection to the replication port that never answers the challenge does not hold
+    a socket and a task for good."""
+    from tandem.broker.replication import member
+    from tests.unit.test_member_copy import primary_with_follower
+
+    monkeypatch.setattr(member, "HANDSHAKE_SECONDS", 0.05)
+
+    async def run() -> None:
+        m, _, _ = primary_with_follower()
+        link, transport = Link(m._opened), Transport()
+        link.connection_made(transport)  # type: ignore[arg-type]
+        (task,) = m.accepted
+        await asyncio.wait_for(task, 5)
+        assert wire.split(transport.data) is not None  # the challenge went out
+        assert transport.aborted  # closed
+        assert "no answer to the challenge within" in caplog.text
+
+    asyncio.run(run())

@@ -56,6 +56,7 @@ RETRY_SECONDS = 0.2  # between attempts to reach the primary
 TICK_SECONDS = 0.5  # a backup repeats its ack (or its Hello) this often
 LAZY_SECONDS = 0.01  # records no confirm waits for (acks, delivery marks) ship within this
 LEASE_SECONDS = 10.0  # a primary the controller has not renewed for this long closes its clients
+HANDSHAKE_SECONDS = 10.0  # each step of a link's handshake: a peer silent longer is closed
 
 
 class Hooks(Protocol):
@@ -573,7 +574,7 @@ class Member:
             hello["cluster"] = self.state.cluster
             hello["takes"] = list(wire.TAKES)
             writer.write(wire.pack(wire.CHALLENGE, hello))
-            kind, answer, _ = wire.header(await writer.read())
+            kind, answer, _ = wire.header(await _step(writer))
             peer = str(answer.get("node", "?"))
             why = self._check_answer(kind, answer, nonce)
             if why is not None:
@@ -591,6 +592,13 @@ class Member:
             await writer.serve(lambda data: self.on_peer(wire.decode(data)))
         except (ConnectionError, ssl.SSLError):
             pass
+        except TimeoutError:
+            log.warning(
+                "node %s: a replication connection sent no answer to the challenge within "
+                "%.0f s; closing it",
+                self.node,
+                HANDSHAKE_SECONDS,
+            )
         except wire.WireError as exc:
             log.warning("node %s: replication from %s: %s; disconnecting", self.node, peer, exc)
         except Exception:
@@ -680,7 +688,7 @@ class Member:
             Link, host, port, ssl=self.client_ssl, server_hostname=host if self.client_ssl else None
         )
         try:
-            kind, challenge, _ = wire.header(await writer.read())
+            kind, challenge, _ = wire.header(await _step(writer))
             if kind != wire.CHALLENGE:
                 raise RefusedError("the primary did not send a challenge")
             if challenge.get("version") != wire.VERSION:
@@ -704,7 +712,7 @@ class Member:
                 "takes": list(wire.TAKES),
             }
             writer.write(wire.pack(wire.ANSWER, answer))
-            kind, reply, _ = wire.header(await writer.read())
+            kind, reply, _ = wire.header(await _step(writer))
             if kind == wire.REFUSE:
                 raise RefusedError(str(reply.get("reason", "refused")))
             if kind != wire.WELCOME:
@@ -772,3 +780,9 @@ def _same(a: core.Append, b: core.Append) -> bool:
     """The same records from the same place (`Replica.appended` gives every follower its own
     Append of one list)."""
     return a.entries is b.entries and a.start == b.start and a.epoch == b.epoch
+
+
+async def _step(link: Link) -> bytes:
+    """The peer's next handshake message. A silent one raises TimeoutError (an OSError: the
+    follower tries again), rather than holding a connection and a task for good."""
+    return await asyncio.wait_for(link.read(), HANDSHAKE_SECONDS)
