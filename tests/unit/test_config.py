@@ -181,3 +181,12 @@ def test_any_yaml_document_is_accepted_or_refused_in_one_line(
         assert str(exc) and "\n" not in str(exc)
     else:
         assert isinstance(cfg, config.Config)
+
+
+def test_a_name_with_a_line_break_is_refused_in_one_line(tmp_path: Any) -> None:
+    """Found by the property above: a user named "\\n" was echoed raw into the error."""
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"users": [{"name": "a\nb"}]}))
+    with pytest.raises(ConfigError) as refused:
+        config.load(path)
+    assert "\n" not in str(refused.value) and "user 'a\\nb' needs 'password'" in str(refused.value)

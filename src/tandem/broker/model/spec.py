@@ -148,7 +148,8 @@ def describe(exc: ValidationError, source: str = "", at: tuple[int | str, ...] =
             got = repr(value)
             msg += f" (got {got[:57] + '...' if len(got) > 60 else got})"
         parts.append(f"{loc}: {msg}" if loc else msg)
-    text = "; ".join(parts)
+    # One line, whatever the names in it hold (a user named "\n" is a name like another).
+    text = "; ".join(parts).replace("\r", "\\r").replace("\n", "\\n")
     return f"{source}: {text}" if source else text
 
 
