@@ -90,8 +90,8 @@ def test_a_primary_sends_a_follower_the_kinds_it_said_it_takes() -> None:
     async def run() -> None:
         m, old, b = primary_with_follower()
         new = Follower()
+        new.link.takes = wire.TAKES
         m.peers["c"] = new.link
-        m.takes["c"] = wire.TAKES
         for node in ("b", "c"):
             m.on_peer(core.Hello(node, 1, (5, 1), (), 0, False, None))
             await m.copying[node].made

@@ -17,8 +17,9 @@ from typing import Any
 
 from tandem.broker.replication import wire
 
-HANDSHAKE_BYTES = 1 << 16  # the most a message may hold before `serve`: before the peer proved
-# the cluster key, a peer is owed no more memory than a challenge or an answer takes
+# The most a message may hold before `serve`: a peer that has not proved the cluster key is
+# owed no more memory than a challenge or an answer takes.
+HANDSHAKE_BYTES = 1 << 16
 
 
 class Link(asyncio.Protocol):
@@ -34,6 +35,7 @@ class Link(asyncio.Protocol):
         self.handler: Callable[[bytes], None] | None = None  # once `serve` began
         self.done: asyncio.Future[None] | None = None  # ends `serve`
         self.error: BaseException | None = None  # why it ended, once it did
+        self.takes: tuple[int, ...] = ()  # the newer kinds the peer said it reads (wire.TAKES)
 
     # -- asyncio.Protocol --
 
@@ -50,12 +52,9 @@ class Link(asyncio.Protocol):
         start, n = 0, len(buf)
         try:
             while n - start >= 4:
-                length = int.from_bytes(buf[start : start + 4], "big")
-                if length > wire.MAX_MESSAGE or length < 5:
-                    raise wire.WireError(f"bad message length {length}")
-                if self.handler is None and length > HANDSHAKE_BYTES:
-                    raise wire.WireError(f"a handshake message of {length} bytes")
-                end = start + 4 + length
+                end = start + wire.size(buf, start)
+                if self.handler is None and end - start > HANDSHAKE_BYTES:
+                    raise wire.WireError(f"a handshake message of {end - start} bytes")
                 if end > n:
                     break
                 with memoryview(buf) as view:

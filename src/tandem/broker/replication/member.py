@@ -157,10 +157,6 @@ class Member:
         self.peers: dict[str, Link] = {}  # followers, by node
         self.upstream: Link | None = None  # the link to our primary
         self.accepted: set[asyncio.Task[None]] = set()  # each follower connection's task
-        # The kinds each end of a link said it takes beyond the first (wire.TAKES): each
-        # follower's, and our primary's.
-        self.takes: dict[str, tuple[int, ...]] = {}
-        self.upstream_takes: tuple[int, ...] = ()
         self.primary_address: tuple[str, int] | None = None
         self.link: asyncio.Task[None] | None = None
         self.tg: asyncio.TaskGroup | None = None
@@ -393,16 +389,20 @@ class Member:
             if isinstance(msg, core.Append):
                 # The same records go to every follower: encoded once for those that read
                 # the same kinds.
-                takes = self.takes.get(dest, ())
+                takes = self._takes(dest)
                 if made is None or made[1] != takes or not _same(made[0], msg):
-                    made = (msg, takes, self._encode(dest, msg))
+                    made = (msg, takes, wire.encode(msg, takes))
                 self._write(dest, made[2])
                 continue
-            self._write(dest, self._encode(dest, msg))
+            self._write(dest, wire.encode(msg, self._takes(dest)))
 
-    def _encode(self, dest: str, msg: core.PeerMessage) -> bytes:
-        up = dest == self.replica.following
-        return wire.encode(msg, self.upstream_takes if up else self.takes.get(dest, ()))
+    def _takes(self, dest: str) -> tuple[int, ...]:
+        """The newer kinds `dest` reads, as it said over its current connection."""
+        link = self._link(dest)
+        return link.takes if link is not None else ()
+
+    def _link(self, dest: str) -> Link | None:
+        return self.upstream if dest == self.replica.following else self.peers.get(dest)
 
     def _send_copy(self, dest: str, sync: core.Sync) -> None:
         """Make a copy's frames and its message on another thread: with millions of
@@ -447,7 +447,7 @@ class Member:
                 store.when_synced(self._send_ack)
                 return
             self.ack = None
-            self._write(dest, self._encode(dest, msg))
+            self._write(dest, wire.encode(msg, self._takes(dest)))
         self.ack_scheduled = False
 
     def _write(self, dest: str, data: bytes) -> None:
@@ -465,7 +465,7 @@ class Member:
                 )
                 self._cut_off(dest)
             return
-        writer = self.upstream if dest == self.replica.following else self.peers.get(dest)
+        writer = self._link(dest)
         if writer is None or writer.is_closing():
             return  # as if lost: the core's retries and rejoins cover it
         writer.write(data)
@@ -527,7 +527,7 @@ class Member:
             tg.create_task(self._ticker(stop))
             await stop.wait()
             for task in list(self.accepted):
-                task.cancel()  # connections still in their handshake
+                task.cancel()  # followers' connections, in their handshake or serving
             self._stop_link()
             if self.server is not None:
                 self.server.close()
@@ -586,8 +586,8 @@ class Member:
             if old is not None:
                 old.close()
             self._forget(peer)
+            writer.takes = wire.takes(answer)
             self.peers[peer] = writer
-            self.takes[peer] = wire.takes(answer)
             log.info("node %s: member %s connected for replication", self.node, peer)
             await writer.serve(lambda data: self.on_peer(wire.decode(data)))
         except (ConnectionError, ssl.SSLError):
@@ -606,7 +606,6 @@ class Member:
         finally:
             if self.peers.get(peer) is writer:
                 del self.peers[peer]
-                self.takes.pop(peer, None)
                 self._forget(peer)
                 before = (self.replica.role, self.replica.epoch)
                 self.replica.disconnected(peer)
@@ -719,8 +718,8 @@ class Member:
                 raise RefusedError("the primary did not welcome this node")
             if theirs and not mine:
                 self.state.save(self.replica.epoch, theirs)
+            writer.takes = wire.takes(challenge)
             self.upstream = writer
-            self.upstream_takes = wire.takes(challenge)
             self.refused = None
             log.info("node %s: replicating from %s at %s:%d", self.node, primary, host, port)
             self._control(core.Follow(primary, self.replica.epoch))  # a fresh Hello

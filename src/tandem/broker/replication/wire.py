@@ -57,9 +57,13 @@ class WireError(Exception):
 
 
 def pack(kind: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> bytes:
-    head = json.dumps(header, separators=(",", ":")).encode()
     body = b"".join(frames)
-    return HEAD.pack(1 + 4 + len(head) + len(body), kind, len(head)) + head + body
+    return _head(kind, json.dumps(header, separators=(",", ":")).encode(), len(body)) + body
+
+
+def _head(kind: int, head: bytes, body: int) -> bytes:
+    """A message's start: its length, kind and header, for a body of `body` bytes after it."""
+    return HEAD.pack(1 + 4 + len(head) + body, kind, len(head)) + head
 
 
 def encode(msg: core.PeerMessage, takes: Sequence[int] = ()) -> bytes:
@@ -68,12 +72,11 @@ def encode(msg: core.PeerMessage, takes: Sequence[int] = ()) -> bytes:
         sender = msg.sender.encode()
         head = APPEND_HEAD.pack(msg.epoch, msg.start, len(sender)) + sender
         body = b"".join(msg.entries)
-        return HEAD.pack(1 + 4 + len(head) + len(body), APPEND_B, len(head)) + head + body
+        return _head(APPEND_B, head, len(body)) + body
     if isinstance(msg, core.Ack) and ACK_B in takes:
         sender = msg.sender.encode()
         a, b = msg.session
-        head = ACK_HEAD.pack(msg.epoch, a, b, msg.offset, len(sender)) + sender
-        return HEAD.pack(1 + 4 + len(head), ACK_B, len(head)) + head
+        return _head(ACK_B, ACK_HEAD.pack(msg.epoch, a, b, msg.offset, len(sender)) + sender, 0)
     return pack(*_fields(msg))
 
 
@@ -115,8 +118,7 @@ def encode_parts(msg: core.Sync) -> list[bytes]:
     for n, body in enumerate(messages, 1):
         last = n == len(messages)
         head = json.dumps(header if last else part, separators=(",", ":")).encode()
-        length = 1 + 4 + len(head) + sum(map(len, body))
-        out.append(HEAD.pack(length, kind if last else SYNC_PART, len(head)) + head)
+        out.append(_head(kind if last else SYNC_PART, head, sum(map(len, body))))
         out += body
     return out
 
@@ -149,16 +151,21 @@ def _fields(msg: core.PeerMessage) -> tuple[int, dict[str, Any], Sequence[bytes]
     return kind, h, frames
 
 
+def size(data: bytes | bytearray, at: int = 0) -> int:
+    """The size of the message that starts at `at` (its length's 4 bytes and what they
+    count), from those 4 bytes; a length no message has ends the connection."""
+    length = int.from_bytes(data[at : at + 4], "big")
+    if length > MAX_MESSAGE or length < 5:
+        raise WireError(f"bad message length {length}")
+    return 4 + length
+
+
 def split(data: bytes) -> tuple[int, int] | None:
     """(kind, total size) of the first whole message in `data`, or None for more bytes."""
     if len(data) < HEAD.size:
         return None
-    length, kind, _hlen = HEAD.unpack_from(data, 0)
-    if length > MAX_MESSAGE:
-        raise WireError(f"message of {length} bytes is over the limit")
-    if len(data) < 4 + length:
-        return None
-    return kind, 4 + length
+    n = size(data)
+    return None if len(data) < n else (data[4], n)
 
 
 def header(data: bytes) -> tuple[int, dict[str, Any], bytes]:
@@ -197,10 +204,8 @@ class Upstream:
         self.session: core.Session | None = None
 
     def take(self, data: bytes) -> core.PeerMessage | None:
-        if data[4] in TAKES:
-            return _packed(data)
-        kind, h, body = header(data)
-        if kind == SYNC_PART:
+        if data[4] == SYNC_PART:
+            kind, h, body = header(data)
             try:
                 session = _session(h["session"])
             except (KeyError, TypeError, ValueError) as exc:
@@ -209,7 +214,7 @@ class Upstream:
                 self.parts, self.session = [], session
             self.parts += frames(body)
             return None
-        msg = _decode(kind, h, body)
+        msg = decode(data)
         if isinstance(msg, core.Sync) and msg.full is not None and self.parts:
             if msg.session == self.session:
                 msg = dataclasses.replace(msg, full=[*self.parts, *msg.full])
