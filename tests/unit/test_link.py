@@ -28,6 +28,15 @@ def _opened() -> tuple[Link, Transport]:
     return link, transport
 
 
+async def _serving() -> tuple[Link, Transport, list[bytes], asyncio.Task[None]]:
+    """A link past its handshake: what it hands on, and the task serving it."""
+    link, transport = _opened()
+    got: list[bytes] = []
+    serving = asyncio.create_task(link.serve(got.append))
+    await asyncio.sleep(0)  # serve has begun
+    return link, transport, got, serving
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     count=st.integers(1, 12),
@@ -69,10 +78,7 @@ def test_messages_arrive_whole_and_in_order_whatever_the_reads(
 
 def test_a_bad_length_ends_the_connection_and_nothing_after_it_is_taken() -> None:
     async def run() -> None:
-        link, transport = _opened()
-        got: list[bytes] = []
-        serving = asyncio.create_task(link.serve(got.append))
-        await asyncio.sleep(0)
+        link, transport, got, serving = await _serving()
         good = wire.encode(core.Ack("b", 1, (5, 1), 9), wire.TAKES)
         link.data_received(good + (3).to_bytes(4, "big") + good)
         with pytest.raises(wire.WireError, match="bad message length 3"):
@@ -127,10 +133,7 @@ def test_before_the_handshake_ends_a_message_may_not_be_large() -> None:
             await link.read()
         assert transport.aborted
 
-        link, transport = _opened()
-        got: list[bytes] = []
-        serving = asyncio.create_task(link.serve(got.append))
-        await asyncio.sleep(0)
+        link, transport, got, serving = await _serving()
         link.data_received(big)
         link.connection_lost(None)
         with pytest.raises(ConnectionError):
@@ -142,10 +145,7 @@ def test_before_the_handshake_ends_a_message_may_not_be_large() -> None:
 
 def test_what_arrives_after_this_end_closed_is_not_handed_on() -> None:
     async def run() -> None:
-        link, _ = _opened()
-        got: list[bytes] = []
-        serving = asyncio.create_task(link.serve(got.append))
-        await asyncio.sleep(0)
+        link, _, got, serving = await _serving()
         message = wire.pack(wire.CHALLENGE, {"n": 1})
         link.data_received(message)
         link.close()
