@@ -594,3 +594,97 @@ def test_server_named_queues_replicate_and_confirms_go_on(cluster: Cluster) -> N
     assert all(held.get(name) == 1 for name in names), held
     conn.close()
     assert not b.status()["not_applied"]
+
+
+# Every persistent message after a queue's first stays in the log, a page of its own.
+PAGED = {"queue_memory_bytes": 1}
+
+
+def wait_for(check: Any, what: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)  # polling interval: the condition is another process's
+
+
+def test_a_restarted_member_whose_queue_pages_takes_the_difference_without_reading_it(
+    cluster: Cluster,
+) -> None:
+    """A member's deep queue stays in its log across a restart: its digest is made of what
+    its pages say they hold, the primary sends what differs, and the member then takes
+    over with every message in order."""
+    a, b = cluster.add("a", isr_min=1, **PAGED), cluster.add("b", isr_min=1, **PAGED)
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 200)
+    assert b.queue("q")["paged"] > 100  # a backup pages as the primary does
+    b.kill()
+    b.start()
+    assert b.queue("q")["depth"] == 200 and b.queue("q")["paged"] > 100
+    cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a"])})  # b left the ISR
+    consumed = drain_some(a, "q", 15)
+    publish(a, "q", 5, start=200)
+    cluster.follow("b", "a", 1)
+    cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a", "b"])})
+    publish(a, "q", 1, start=205)  # confirmed: b is synced
+    assert "took the difference from the primary" in b.log()
+    assert b.status()["whole"] is True
+    assert b.queue("q")["depth"] == a.queue("q")["depth"] == 191
+    assert b.queue("q")["paged"] > 100  # what it held was compared, not read back
+    a.kill()
+    cluster.ha("b", "fence", {"epoch": 2})
+    cluster.promote("b", 2, ["b"])
+    assert consumed + drain(b, "q") == list(range(206))
+
+
+def test_a_new_member_takes_a_copy_of_a_primary_whose_queue_pages(cluster: Cluster) -> None:
+    """A member added with an empty store takes a copy of a queue that is in the primary's
+    log only: its pages (a checkpoint's, after a restart) are read on the copy's thread,
+    and the member serves them all."""
+    a = cluster.add("a", isr_min=1, **PAGED)
+    cluster.promote("a", 1, ["a"])
+    publish(a, "q", 300)
+    a.stop()
+    a.start()  # what it shipped last is not kept across a restart: b takes a copy
+    cluster.promote("a", 2, ["a"])
+    assert a.queue("q")["paged"] > 200
+    b = cluster.add("b", isr_min=1, **PAGED)
+    cluster.follow("b", "a", 2)
+    wait_for(lambda: "took the difference" in b.log(), "the copy never came")
+    cluster.ha("a", "record", {"record": cluster.record("a", 2, ["a", "b"])})
+    publish(a, "q", 1, start=300)  # confirmed: b is synced
+    assert b.queue("q")["depth"] == 301 and b.queue("q")["paged"] > 200
+    a.kill()
+    cluster.ha("b", "fence", {"epoch": 3})
+    cluster.promote("b", 3, ["b"])
+    assert drain(b, "q") == list(range(301))
+
+
+def test_a_backup_that_reads_a_corrupt_record_of_a_page_takes_it_from_the_primary(
+    cluster: Cluster,
+) -> None:
+    """A member's pages are checked when they are read back, not at a start: a backup that
+    finds a corrupt record there, as the primary's consumers reach it, says so, takes a copy
+    and holds every message again."""
+    a = cluster.add("a", isr_min=1, segment_bytes=8192, **PAGED)
+    b = cluster.add("b", isr_min=1, segment_bytes=8192, **PAGED)
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    publish(a, "q", 300)
+    b.stop()
+    segments = sorted((b.data_dir / "log").glob("*.seg"))
+    data = bytearray(segments[1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    segments[1].write_bytes(bytes(data))
+    b.start()
+    cluster.follow("b", "a", 1)
+    cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a", "b"])})
+    publish(a, "q", 1, start=300)  # confirmed: b took the difference
+    assert drain_some(a, "q", 250) == list(range(250))  # b reads its pages back
+    wait_for(lambda: "this member takes a copy from the primary" in b.log(), b.log())
+    publish(a, "q", 1, start=301)  # confirmed once b holds everything again
+    assert b.status()["whole"] is True and b.queue("q")["depth"] == 52
+    a.kill()
+    cluster.ha("b", "fence", {"epoch": 2})
+    cluster.promote("b", 2, ["b"])
+    assert drain(b, "q") == list(range(250, 302))

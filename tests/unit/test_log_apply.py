@@ -18,6 +18,8 @@ from tandem.broker.model.message import Message
 
 
 class Disk:
+    page_bytes = 0  # pages nothing: these tests compare states in memory
+
     def __init__(self) -> None:
         self.frames: list[bytes] = []
         self.synced = 0

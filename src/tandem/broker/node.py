@@ -113,8 +113,10 @@ class Node:
                 cfg.data_dir,
                 fsync=cfg.fsync,
                 segment_bytes=cfg.segment_bytes,
-                # A lone node pages its deep queues; a cluster member keeps them in memory.
-                page_bytes=self._queue_memory() if cfg.replication_port is None else 0,
+                # Deep queues page; a cluster member's pages know their messages' ids (its
+                # digest and the primary's copies are made of them).
+                page_bytes=self._queue_memory(),
+                keep_ids=cfg.replication_port is not None,
                 checkpoint_records=cfg.checkpoint_records,
             )
         self.sequencer = Sequencer(self.store)

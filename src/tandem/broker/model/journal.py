@@ -20,6 +20,7 @@ Sequencer is `applying` and records nothing: the records already exist.
 
 from __future__ import annotations
 
+import array
 import collections
 import logging
 from collections.abc import Callable
@@ -44,7 +45,10 @@ class Page:
     """A run of a queue's ready messages that stay in the log, not in memory (a queue deeper
     than its memory budget): the store made it from the messages' ENQUEUE records and reads
     them back when the queue's head runs low. The queue sees its size and its first and last
-    message ids; the rest is the store's."""
+    message ids; the rest is the store's.
+
+    On a cluster member a page also knows its messages' ids (`ids`, 8 bytes each), which
+    the member's digest and the primary's copy compare without reading the page back."""
 
     __slots__ = (
         "body_bytes",
@@ -52,6 +56,7 @@ class Page:
         "extents",
         "first_mid",
         "held",
+        "ids",
         "key",
         "last_mid",
         "only",
@@ -74,6 +79,30 @@ class Page:
         # A page made at recovery from a checkpoint's messages: exactly these ids (and their
         # places), where its runs may also hold records of messages consumed since.
         self.only: dict[int, int] | None = None
+        # Its messages' ids as (epoch, offsets) pairs (`pack_ids`), where they are kept.
+        self.ids: list[tuple[int, array.array[int]]] | None = None
+
+    def mids(self) -> list[int]:
+        """Its messages' ids, where it knows them (`ids`, or a checkpoint's `only`)."""
+        if self.only is not None:
+            return list(self.only)
+        out: list[int] = []
+        for epoch, offsets in self.ids or ():
+            high = epoch << records.OFFSET_BITS
+            out += map(high.__or__, offsets)
+        return out
+
+
+def pack_ids(mids: list[int]) -> list[tuple[int, array.array[int]]]:
+    """Message ids as (epoch, offsets) pairs, one per run of one epoch: 8 bytes an id."""
+    out: list[tuple[int, array.array[int]]] = []
+    mask = records.OFFSET_MASK
+    for mid in mids:
+        epoch = mid >> records.OFFSET_BITS
+        if not out or out[-1][0] != epoch:
+            out.append((epoch, array.array("Q")))
+        out[-1][1].append(mid & mask)
+    return out
 
 
 class Journal(Protocol):
@@ -387,9 +416,8 @@ class Sequencer:
 
     @property
     def page_budget(self) -> int:
-        # Only a lone node pages: a cluster member's queues are copied and compared whole.
         disk = self.disk
-        return disk.page_bytes if disk is not None and self.shipper is None else 0
+        return disk.page_bytes if disk is not None else 0
 
     def page_out(self, queue: Queue, msgs: list[Message]) -> Page | None:
         if self.disk is None or self.group is not None:

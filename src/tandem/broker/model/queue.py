@@ -257,6 +257,17 @@ class Queue:
         """Ready messages that are in the log only, not in memory."""
         return sum(p.count for p in self.tail if isinstance(p, Page))
 
+    def in_memory(self) -> list[Message]:
+        """Its ready messages held in memory (the head, the tail's, the page being filled),
+        in the queue's order but for a priority queue's levels."""
+        out = list(self.messages)
+        out += [item for item in self.tail if not isinstance(item, Page)]
+        return out + self.filling
+
+    def pages(self) -> list[Page]:
+        """Its pages, in order: ready messages that are in the log only."""
+        return [item for item in self.tail if isinstance(item, Page)]
+
     def all_ready(self) -> list[Message]:
         """Every ready message in order, pages read without taking them in (state dumps,
         copies); costly for a deep queue."""
@@ -644,6 +655,11 @@ class Queue:
             insert_by_mid(messages, msg)
         self.bytes += msg.body_size
 
+    def page_in_all(self) -> None:
+        """Bring every page into memory (the log they are read from starts over)."""
+        while self._promote():
+            pass
+
     def restore_page(self, page: Page) -> None:
         """A page a checkpoint names, after every message restored before it."""
         self._seal()
@@ -670,9 +686,12 @@ class Queue:
     def remove_many(self, mids: Iterable[int]) -> None:
         """Messages the log says left this queue, all at once: one pass over the queue,
         where `remove` of each would search it from the head, one at a time (a copy that
-        drops a diverged suffix of 50,000 messages took minutes)."""
-        while self._promote():
-            pass
+        drops a diverged suffix of 50,000 messages took minutes). Pages are read back up to
+        the last of them, not beyond: a member that rejoins takes the difference from the
+        primary, which names what its consumers took from the head of a deep queue."""
+        mids = list(mids)
+        if self.tail_count and mids:
+            self._promote_through(max(mids))
         index = self._index()
         gone = {id(m): m for m in (index.pop(mid, None) for mid in mids) if m is not None}
         if not gone:

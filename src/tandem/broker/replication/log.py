@@ -27,8 +27,9 @@ from typing import Any
 from tandem.broker.model import apply, definitions, records
 from tandem.broker.model import vhost as vhost_mod
 from tandem.broker.model.broker import Broker
-from tandem.broker.model.journal import Sequencer
+from tandem.broker.model.journal import Page, Sequencer
 from tandem.broker.model.message import Message
+from tandem.broker.model.queue import Queue
 from tandem.broker.replication import core
 from tandem.broker.store.log import Store
 
@@ -76,6 +77,8 @@ class BrokerLog:
         self.installed = 0  # copies taken: with `end`, what names the state a digest is of
         self.captured = 0  # copies made for followers (`snapshot`)
         self.digested: tuple[tuple[int, int], dict[str, dict[str, list[list[Any]]]]] | None = None
+        if store is not None:
+            store.on_short_page = self.page_short
 
     # -- what the protocol reads --
 
@@ -141,8 +144,27 @@ class BrokerLog:
         for vh in self.broker.vhosts.values():
             for q in vh.queues.values():
                 if q.replicate == "all":
-                    out.setdefault(vh.name, {})[q.name] = _packed(sorted(map(_MID, q.messages)))
+                    held = _packed(sorted(map(_MID, q.in_memory())))
+                    for page in q.pages():  # by the ids it knows, not read back
+                        held += self._page_packed(page, q)
+                    out.setdefault(vh.name, {})[q.name] = held
         self.digested = (state, out)
+        return out
+
+    def _page_packed(self, page: Page, q: Queue) -> list[list[Any]]:
+        """A page's ids as the digest says them (`_packed`); the digest is read as a set, so
+        pages follow the queue's messages in memory in any order."""
+        if page.ids is None:
+            if page.only is not None:
+                return _packed(sorted(page.only))
+            # A page that does not know its ids (not made by a member): read back.
+            return _packed([m.mid for m in self.sequencer.page_in(page, q, keep=True)])
+        out: list[list[Any]] = []
+        for epoch, offsets in page.ids:
+            big = array.array("Q", offsets)
+            if not _BIG:
+                big.byteswap()
+            out.append([epoch, base64.b64encode(big).decode()])
         return out
 
     def snapshot(self, theirs: Any = None) -> Copy:
@@ -164,6 +186,7 @@ class BrokerLog:
         auth = records.define("", "auth", definitions.export_auth(self.broker))
         head.append(records.frame(records.DEFINE, epoch, self.end, auth, False))
         queues: list[_Captured] = []
+        pinned: list[Page] = []
         for vh in self.broker.vhosts.values():
             for ex in vh.exchanges.values():
                 if not ex.durable and ex.name:
@@ -180,8 +203,19 @@ class BrokerLog:
                     head.append(records.frame(records.DEFINE, epoch, self.end, body, False))
             for q in vh.queues.values():
                 if q.replicate == "all":
-                    queues.append((vh.name, q.name, q.durable, [*q.messages], dict(q.outstanding)))
-        return Copy(head, queues, theirs, tuple(sequencer.boundaries), epoch, self.end)
+                    # A page held in memory is copied as its messages; the others are read
+                    # on the copy's thread, for what the follower lacks, their segments
+                    # pinned meanwhile.
+                    pages = [(p, _held(p)) for p in q.pages()]
+                    pinned += [p for p, kept in pages if kept is None]
+                    queues.append(
+                        (vh.name, q.name, q.durable, q.in_memory(), dict(q.outstanding), pages, q)
+                    )
+        if self.store is not None:
+            self.store.pin(pinned)
+        copy = Copy(head, queues, theirs, tuple(sequencer.boundaries), epoch, self.end)
+        copy.store, copy.pinned = self.store, pinned
+        return copy
 
     # -- what the protocol writes (on a backup) --
 
@@ -247,8 +281,12 @@ class BrokerLog:
                 self.store.write(rtype, offset, data, None)
             self._not_applied(epoch, offset, rtype, payload, exc)
             return
-        if durable and self.store is not None:
-            self.store.write(rtype, offset, data, key)
+        # An enqueue is stored first (the queue may leave the message in the log at once); a
+        # dequeue after it applied (a paged message is read back first, and the store then
+        # knows where its record is, which the dequeue cancels, as recovery does).
+        store = self.store if durable else None
+        if store is not None and rtype != records.DEQUEUE:
+            store.write(rtype, offset, data, key)
         try:
             if rtype == records.ENQUEUE:
                 apply.enqueue(self.broker, *fields)
@@ -258,6 +296,8 @@ class BrokerLog:
                 apply.mark(self.broker, *key)
         except Exception as exc:  # whatever failed, it is this record's failure
             self._not_applied(epoch, offset, rtype, payload, exc)
+        if store is not None and rtype == records.DEQUEUE:
+            store.write(rtype, offset, data, key)
 
     def _take_other(self, data: bytes, rtype: int, epoch: int, offset: int, durable: bool) -> None:
         payload = records.payload(data)
@@ -266,15 +306,18 @@ class BrokerLog:
             records.decode_body(payload) if rtype in (records.DEFINE, records.CHECKPOINT) else None
         )
         store = self.store
+        key = None
         if durable and store is not None:
-            key = None
             if rtype in (records.ENQUEUE, records.DEQUEUE):
                 key = records.read_key(payload)
             elif rec is not None and rec["op"] == "queue.delete":
                 store.forget_queue(rec["vhost"], rec["body"]["name"])
-            store.write(rtype, offset, data, key)
+            if rtype != records.DEQUEUE:  # after it applied (see _take_message)
+                store.write(rtype, offset, data, key)
         if not self._dropped(rtype, payload):
             self._apply(epoch, offset, rtype, payload)
+        if durable and store is not None and rtype == records.DEQUEUE:
+            store.write(rtype, offset, data, key)
         if rtype == records.CHECKPOINT and rec is not None:
             self.on_checkpoint(epoch, offset, rec.get("body") or {})
         elif rec is not None and rec.get("op") == "auth":
@@ -294,6 +337,15 @@ class BrokerLog:
         self._set_aside(
             epoch, offset, apply.NotApplied(f"{apply.describe(rtype, payload)}: {exc!r}")
         )
+
+    def page_short(self, what: str) -> None:
+        """A page of this member's log read back short (a corrupt record): its state lacks
+        messages the primary holds, and it is whole again once a copy brought them back."""
+        if self.sequencer.shipper is not None:
+            return  # the primary's: logged by the store; the backups hold the message
+        log.error("%s; this member takes a copy from the primary", what)
+        self.diverged = what
+        self.lost = True
 
     def _set_aside(self, epoch: int, offset: int, exc: apply.NotApplied) -> None:
         """Report a record that could not be applied once with its position, keep it in
@@ -343,6 +395,9 @@ class BrokerLog:
             store.forget_gone()  # the queues the copy's definitions deleted
         self.sequencer.reset(boundaries, end)
         if store is not None and diverged:
+            for vh in self.broker.vhosts.values():
+                for q in vh.queues.values():
+                    q.page_in_all()  # the log the pages are in starts over
             store.reset(list(boundaries))
             for data in self._durable_state(boundaries, end):
                 rtype, _epoch, offset, _durable = records.head(data)
@@ -363,25 +418,39 @@ class BrokerLog:
         self.window.clear()
         self.window_bytes = 0
         self.group.clear()
-        gone: dict[tuple[str, str], list[int]] = {}  # dequeues, applied a queue at a time
+        # Dequeues, applied a queue at a time, then stored (see _take_message).
+        gone: dict[tuple[str, str], list[int]] = {}
+        unstored: list[tuple[int, bytes, tuple[str, str, int]]] = []
+        store = self.store
         for data in frames:
             rtype, epoch, offset, durable = records.head(data)
             payload = records.payload(data)
-            if durable and self.store is not None:
-                key = (
-                    records.read_key(payload)
-                    if rtype in (records.ENQUEUE, records.DEQUEUE)
-                    else None
-                )
-                self.store.write(rtype, offset, data, key)
             if rtype == records.DEQUEUE:
-                vhost, queue, mid = records.read_key(payload)
+                vhost, queue, mid = key = records.read_key(payload)
                 gone.setdefault((vhost, queue), []).append(mid)
+                if durable and store is not None:
+                    unstored.append((offset, data, key))
                 continue
+            self._dequeue_many(gone, unstored)
+            if durable and store is not None:
+                kept = records.read_key(payload) if rtype == records.ENQUEUE else None
+                store.write(rtype, offset, data, kept)
+            self._apply(epoch, offset, rtype, payload)
+        self._dequeue_many(gone, unstored)
+
+    def _dequeue_many(
+        self,
+        gone: dict[tuple[str, str], list[int]],
+        unstored: list[tuple[int, bytes, tuple[str, str, int]]],
+    ) -> None:
+        """Apply a copy's dequeues gathered so far, then store them."""
+        if gone:
             apply.dequeue_many(self.broker, gone)
             gone.clear()
-            self._apply(epoch, offset, rtype, payload)
-        apply.dequeue_many(self.broker, gone)
+        if unstored and self.store is not None:
+            for offset, data, key in unstored:
+                self.store.write(records.DEQUEUE, offset, data, key)
+            unstored.clear()
 
     def _durable_state(self, boundaries: core.Boundaries, end: int) -> list[bytes]:
         """This member's durable state as frames: the durable definitions, then every
@@ -393,7 +462,7 @@ class BrokerLog:
             for q in vh.queues.values():
                 if not q.durable:
                     continue
-                for m in sorted(q.messages, key=lambda m: m.mid):
+                for m in sorted(q.in_memory(), key=lambda m: m.mid):
                     if m.persistent:
                         payload = records.enqueue(vh.name, q.name, m)
                         epoch, offset = _position_of(boundaries, m.mid, last)
@@ -420,8 +489,10 @@ class BrokerLog:
         )
 
 
-# A queue as a copy captures it: vhost, name, durable, its messages, those delivered.
-_Captured = tuple[str, str, bool, list[Message], dict[int, Message]]
+# A queue as a copy captures it: vhost, name, durable, its messages in memory, those
+# delivered, its pages (each with its messages when it holds them in memory), the queue.
+_Paged = list[tuple[Page, list[Message] | None]]
+_Captured = tuple[str, str, bool, list[Message], dict[int, Message], _Paged, Queue]
 
 
 class Copy:
@@ -447,18 +518,53 @@ class Copy:
     ) -> None:
         self.head, self.queues, self.theirs = head, queues, theirs
         self.bounds, self.epoch, self.end = bounds, epoch, end
+        # The store the pages are read from, and the pages pinned until the copy is made.
+        self.store: Store | None = None
+        self.pinned: list[Page] = []
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(self.frames())
 
+    def release(self) -> None:
+        """The copy is made, or will not be: its pages' segments are unpinned, on the loop."""
+        pinned, self.pinned = self.pinned, []
+        store = self.store
+        if not pinned or store is None:
+            return
+        loop = store.loop
+        if loop is None or loop.is_closed():
+            store.unpin(pinned)
+        else:
+            loop.call_soon_threadsafe(store.unpin, pinned)
+
     def frames(self) -> list[bytes]:
+        try:
+            return self._frames()
+        finally:
+            self.release()
+
+    def _frames(self) -> list[bytes]:
         held = _parse_digest(self.theirs)
         epoch, end, bounds = self.epoch, self.end, self.bounds
         out = [] if held is None else [records.frame(records.DEFINE, epoch, end, DIFF, False)]
         out += self.head
-        for vhost, queue, durable_q, messages, outstanding in self.queues:
+        for vhost, queue, durable_q, messages, outstanding, pages, q in self.queues:
             theirs_q = None if held is None else held.get((vhost, queue), set())
             ours = messages + list(outstanding.values())
+            paged: list[list[int]] = []  # each page's ids
+            for page, kept in pages:
+                known = page.ids is not None or page.only is not None
+                mids = page.mids() if known else None
+                if kept is None and mids is not None and _holds(theirs_q, mids):
+                    paged.append(mids)  # the follower holds all of it: not read
+                    continue
+                if kept is not None:
+                    msgs = kept
+                else:
+                    assert self.store is not None
+                    msgs = self.store.read_copy(page, q)
+                paged.append(mids if mids is not None else [m.mid for m in msgs])
+                ours += msgs
             if theirs_q is not None:  # only what they lack or what carries a mark
                 ours = [
                     m
@@ -479,10 +585,22 @@ class Copy:
                 for at in range(0, len(messages), _SLICE):
                     gone.difference_update(map(_MID, messages[at : at + _SLICE]))
                 gone.difference_update(outstanding)
+                for mids in paged:
+                    gone.difference_update(mids)
                 for mid in sorted(gone):  # consumed since the follower's log ends
                     key = records.key(vhost, queue, mid)
                     out.append(records.frame(records.DEQUEUE, epoch, end, key, durable_q))
         return out
+
+
+def _holds(theirs: set[int] | None, mids: list[int]) -> bool:
+    """True when a follower's digest (`theirs`) names every one of `mids`."""
+    return theirs is not None and all(map(theirs.__contains__, mids))
+
+
+def _held(page: Page) -> list[Message] | None:
+    """A page's messages when the store holds them in memory."""
+    return None if page.held is None else [m for m, _at in page.held]
 
 
 def _by_mid(messages: list[Message]) -> list[Message]:

@@ -409,6 +409,8 @@ class Member:
         messages queued that takes seconds, and the loop goes on serving meanwhile."""
         assert self.loop is not None
         if self.copied.get(dest) == sync.session:
+            if isinstance(sync.full, Copy):
+                sync.full.release()  # not made: its pages need not stay pinned
             return  # the follower repeated its Hello while its copy is made or on its way
         self.copied[dest] = sync.session
         making = _Making(self.loop.run_in_executor(None, wire.encode_parts, sync))

@@ -61,7 +61,7 @@ from typing import Any
 
 from tandem.broker.model import apply, records
 from tandem.broker.model.broker import Broker
-from tandem.broker.model.journal import Page, Sequencer
+from tandem.broker.model.journal import Page, Sequencer, pack_ids
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import PAGE_BYTES, Queue
 from tandem.broker.model.records import Corruption
@@ -144,6 +144,7 @@ class Store:
         segment_bytes: int = 64 << 20,
         max_segments: int = 16,
         page_bytes: int = 0,
+        keep_ids: bool = False,
         checkpoint_records: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -167,6 +168,9 @@ class Store:
         # is its page's instead.
         self.where: Shards[Key, int] = Shards()  # model/shards.py: millions, at times
         self.page_bytes = page_bytes
+        # A cluster member's pages know their messages' ids (`Page.ids`): its digest and the
+        # primary's copy are made of them, a page read back only for what a follower lacks.
+        self.keep_ids = keep_ids
         self.pages: dict[tuple[str, str], set[Page]] = {}  # each queue's pages
         self.pinned: collections.Counter[int] = collections.Counter()  # pages per segment
         self.unwritten: collections.deque[Page] = collections.deque()  # held, not yet written
@@ -196,6 +200,8 @@ class Store:
         self._synced = 0
         self.write_error: OSError | None = None
         self.on_write_error: Callable[[OSError | None], None] = lambda err: None
+        # A page read back short (a corrupt record): a cluster member takes a copy.
+        self.on_short_page: Callable[[str], None] = lambda what: None
         self.fds: dict[int, int] = {}
         self.lock = threading.Lock()
         self.synced_batches = 0
@@ -292,6 +298,8 @@ class Store:
                 return None
             ats.append(at)
         page = Page(key, len(msgs), sum(m.body_size for m in msgs), msgs[0].mid, msgs[-1].mid)
+        if self.keep_ids:
+            page.ids = pack_ids([m.mid for m in msgs])
         extents: list[list[int]] = []
         # In the order of the log: compaction may have carried a record forward, past later
         # ones (`_read` puts them back in order).
@@ -328,6 +336,27 @@ class Store:
                 where[(vhost, name, m.mid)] = at
         return [m for m, _at in found]
 
+    def pin(self, pages: list[Page]) -> None:
+        """Keep these pages' segments where they are while a copy reads them on another
+        thread (`read_copy`), whether or not their queue takes them back meanwhile:
+        compaction carries no pinned segment forward."""
+        for page in pages:
+            for seg in page.segs:
+                self.pinned[seg] += 1
+
+    def unpin(self, pages: list[Page]) -> None:
+        """The copy that pinned these pages is made (on the loop)."""
+        for page in pages:
+            for seg in page.segs:
+                self.pinned[seg] -= 1
+                if self.pinned[seg] <= 0:
+                    del self.pinned[seg]
+
+    def read_copy(self, page: Page, queue: Queue) -> list[Message]:
+        """A pinned page's messages for a copy, read on the copy's thread. Those consumed
+        since (their segment deleted) are left out: the copy's Appends say they went."""
+        return [m for m, _at in self._read(page, queue, whole=False)]
+
     def _on_disk(self, page: Page) -> bool:
         return all(end <= self.sizes.get(seg, 0) for seg, _start, end in page.extents)
 
@@ -359,9 +388,12 @@ class Store:
         out: dict[int, tuple[Message, int]] = {}  # by id: a copy carried forward counts once
         for seg, start, end in page.extents:
             path = self._path(seg)
-            if not whole and not path.exists():
-                continue
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                if whole:
+                    raise
+                continue  # its messages were consumed, and compaction deleted it
             try:
                 data = os.pread(fd, end - start, start)
             finally:
@@ -384,13 +416,12 @@ class Store:
                 if member and mid not in out:
                     out[mid] = (apply.message(queue, mid, route, props, body), at)
         if whole and len(out) != page.count:
-            log.error(
-                "a page of queue '%s' in vhost '%s' read back %d of its %d messages",
-                page.key[1],
-                page.key[0],
-                len(out),
-                page.count,
+            what = (
+                f"a page of queue '{page.key[1]}' in vhost '{page.key[0]}' read back "
+                f"{len(out)} of its {page.count} messages"
             )
+            log.error("%s", what)
+            self.on_short_page(what)
         return [out[mid] for mid in sorted(out)]
 
     def boundary(self, epoch: int, first: int) -> None:
@@ -865,7 +896,15 @@ class Store:
             (
                 key,
                 [
-                    (p.count, p.body_bytes, p.first_mid, p.last_mid, [*p.extents], dict(p.segs))
+                    (
+                        p.count,
+                        p.body_bytes,
+                        p.first_mid,
+                        p.last_mid,
+                        [*p.extents],
+                        dict(p.segs),
+                        p.ids,  # never changed once made: encoded on the writer's thread
+                    )
                     for p in key_pages
                     if p.only is None
                 ],
@@ -913,9 +952,13 @@ class Store:
                 ids = [_unpacked(t, entry[k]) for t, k in (("Q", "offsets"), ("L", "epochs"))]
                 if not len(ids[0]) == len(ids[1]) == len(_unpacked("Q", entry["at"])):
                     raise ValueError(f"queue '{entry['queue']}': arrays of unequal length")
-                for _c, _b, _first, _last, extents, segs in entry["pages"]:
+                for page in entry["pages"]:
+                    count, _b, _first, _last, extents, segs, *ids = page
                     [(int(a), int(b), int(c)) for a, b, c in extents]
                     {int(k): int(v) for k, v in segs.items()}
+                    for pairs in ids:
+                        if sum(len(_unpacked("Q", o)) for _e, o in pairs) != count:
+                            raise ValueError(f"queue '{entry['queue']}': a page's ids miscounted")
             seg, pos = body["resume"]
             if not self._path(seg).exists() or self._path(seg).stat().st_size < pos:
                 raise ValueError(f"its resume point, segment {seg} byte {pos}, is gone")
@@ -958,10 +1001,12 @@ class Store:
                 wanted.setdefault(at >> AT_BITS, []).append(
                     (q, records.mid(epoch, offset), at & AT_MASK)
                 )
-            for count, body_bytes, first, last, extents, segs in entry["pages"]:
+            for count, body_bytes, first, last, extents, segs, *ids in entry["pages"]:
                 page = Page((q.vhost.name, q.name), count, body_bytes, first, last)
                 page.extents = [(seg, start, end) for seg, start, end in extents]
                 page.segs = {int(seg): n for seg, n in segs.items()}
+                if ids:
+                    page.ids = [(int(e), _unpacked("Q", o)) for e, o in ids[0]]
                 pages.setdefault(q, []).append(page)
         items: dict[Queue, list[tuple[int, Message | Page | tuple[int, int, int]]]] = {}
         for seg, entries in wanted.items():
@@ -974,7 +1019,11 @@ class Store:
                     # Left in the log, read when the queue gets to it: a start need not
                     # read and decode the head of every deep queue.
                     sizes = records.enqueue_sizes(data, pos)
-                    if sizes is not None:
+                    # A member's digest will say it holds these: their checksums are checked
+                    # now (a corrupt one is left out, and the primary sends it).
+                    if sizes is not None and (
+                        not self.keep_ids or records.problem_at(data, pos) is None
+                    ):
                         at = (seg << AT_BITS) | pos
                         items.setdefault(q, []).append((mid, (at, sizes[0], sizes[1])))
                         continue
@@ -993,7 +1042,10 @@ class Store:
                 items.setdefault(q, []).append((mid, apply.message(q, mid, route, props, body_)))
         for q, queue_pages in pages.items():
             for page in queue_pages:
-                if all(self._path(seg).exists() for seg, _s, _e in page.extents):
+                # A member's page must know its ids (a checkpoint of an earlier version's
+                # does not): read back, as is one a consumer took part of.
+                known = page.ids is not None or not self.keep_ids
+                if known and all(self._path(seg).exists() for seg, _s, _e in page.extents):
                     items.setdefault(q, []).append((page.first_mid, page))
                     continue
                 # Part of it was consumed since: what is left comes back as messages.
@@ -1327,8 +1379,8 @@ class _Captured:
 
     head: dict[str, Any]
     where: list[dict[tuple[str, str, int], int]]
-    # (queue, its pages as (count, body bytes, first, last, extents, segments), the
-    # messages of each page made from a checkpoint: id -> place)
+    # (queue, its pages as (count, body bytes, first, last, extents, segments, ids or
+    # None), the messages of each page made from a checkpoint: id -> place)
     pages: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]]
 
 
@@ -1355,7 +1407,13 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
                 time.sleep(0)
     pages: dict[tuple[str, str], list[Any]] = {}
     for key, key_pages, only in state.pages:
-        pages[key] = key_pages
+        # A page's ids (a cluster member's) as [epoch, offsets as a C array in base64] pairs.
+        pages[key] = [
+            [*page[:6], [[e, b"".join(_packed("Q", list(o))).decode()] for e, o in page[6]]]
+            if page[6] is not None
+            else [*page[:6]]
+            for page in key_pages
+        ]
         held = by_queue.setdefault(key, ([], [], []))
         for page in only:  # written as the messages it holds, as it was read
             for mid, at in page.items():
