@@ -81,7 +81,8 @@ class Config(BaseModel):
     fsync: StrictBool = True
     segment_bytes: Annotated[StrictInt, Field(ge=4096)] = 64 * 1024 * 1024
     # Bytes of a queue's ready messages kept in memory (bodies, plus 256 for each message);
-    # a lone node leaves the persistent messages after them in the log. 0 = all in memory;
+    # the persistent messages after them stay in the log (a lone node and a cluster
+    # member alike). 0 = all in memory;
     # unset: a 32nd of the memory high watermark, at least 32 MiB.
     queue_memory_bytes: Bytes | None = None
     # A lone node checkpoints its log every this many durable records: a restart loads the

@@ -1,6 +1,6 @@
 """Queues: ordered messages, consumers served round-robin, TTL, length limits, priorities.
 
-A queue deeper than its memory budget (`Journal.page_budget`, a lone node's
+A queue deeper than its memory budget (`Journal.page_budget`, the node's
 `queue_memory_bytes`) keeps only its head in memory: the persistent messages after it stay
 in the log as pages (`journal.Page`), each read back when the head runs out, as RabbitMQ's
 lazy and quorum queues keep bodies on disk. The order is the queue's: `messages` (the head),

@@ -20,11 +20,13 @@ as they were (same frame, same position) and it is deleted, once few of them are
 (`CARRY_BELOW`) and those few have not been consumed for a while (`CARRY_PATIENCE`).
 Recovery replays the segments in order through the model's one apply path.
 
-Paging: a lone node's queue deeper than its memory budget leaves the messages after its head
-in the log (`page_out`), and the store reads them back (`page_in`) by where their ENQUEUE
-records are: a page is a few runs of bytes of the segments, read with one pread each. A
-segment a page reads from is pinned: compaction never carries it forward, so its records stay
-where the page says; it goes once the page is read back and its messages are consumed.
+Paging: a queue deeper than its memory budget leaves the messages after its head in the log
+(`page_out`), and the store reads them back (`page_in`) by where their ENQUEUE records are: a
+page is a few runs of bytes of the segments, read with one pread each. A segment a page reads
+from is pinned: compaction never carries it forward, so its records stay where the page says;
+it goes once the page is read back and its messages are consumed. A cluster member's pages
+also know their messages' ids (`keep_ids`), of which its digest is made; a copy for a
+follower pins the pages it reads on its own thread (`pin`, `read_copy`).
 
 Checkpoints: a node (lone or a cluster member) writes `<data_dir>/log/checkpoint` every
 `checkpoint_records` durable records, or every quarter as many as the last one named messages
