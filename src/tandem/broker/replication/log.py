@@ -553,6 +553,7 @@ class Copy:
             ours = messages + list(outstanding.values())
             paged: list[list[int]] = []  # each page's ids
             for page, kept in pages:
+                _give_way()
                 known = page.ids is not None or page.only is not None
                 mids = page.mids() if known else None
                 if kept is None and mids is not None and _holds(theirs_q, mids):
@@ -566,12 +567,18 @@ class Copy:
                 paged.append(mids if mids is not None else [m.mid for m in msgs])
                 ours += msgs
             if theirs_q is not None:  # only what they lack or what carries a mark
-                ours = [
-                    m
-                    for m in ours
-                    if m.mid not in theirs_q or m.redelivered or m.mid in outstanding
-                ]
-            for m in _by_mid(ours):
+                lacked: list[Message] = []
+                for at in range(0, len(ours), _SLICE):
+                    _give_way()
+                    lacked += [
+                        m
+                        for m in ours[at : at + _SLICE]
+                        if m.mid not in theirs_q or m.redelivered or m.mid in outstanding
+                    ]
+                ours = lacked
+            for i, m in enumerate(_by_mid(ours)):
+                if not i % _SLICE:
+                    _give_way()
                 e, o = _position_of(bounds, m.mid, epoch)
                 if theirs_q is None or m.mid not in theirs_q:
                     durable = m.persistent and durable_q
@@ -583,6 +590,7 @@ class Copy:
             if theirs_q:
                 gone = theirs_q  # read no more: what is left of it is what went
                 for at in range(0, len(messages), _SLICE):
+                    _give_way()
                     gone.difference_update(map(_MID, messages[at : at + _SLICE]))
                 gone.difference_update(outstanding)
                 for mids in paged:
@@ -606,7 +614,12 @@ def _held(page: Page) -> list[Message] | None:
 def _by_mid(messages: list[Message]) -> list[Message]:
     """`messages` in id order, a slice at a time (see _SLICE): a queue's messages usually
     are already, and one sort of a million held the loop a tenth of a second."""
-    if all(a.mid < b.mid for a, b in itertools.pairwise(messages)):
+    for at in range(0, len(messages), _SLICE):
+        _give_way()
+        part = messages[at : at + _SLICE + 1]
+        if not all(a.mid < b.mid for a, b in itertools.pairwise(part)):
+            break
+    else:
         return messages
     runs = [sorted(messages[at : at + _SLICE], key=_MID) for at in range(0, len(messages), _SLICE)]
     return runs[0] if len(runs) == 1 else list(heapq.merge(*runs, key=_MID))
@@ -632,8 +645,18 @@ def _epoch_at(bounds: core.Boundaries, offset: int, default: int) -> int:
 _MID = operator.attrgetter("mid")
 # A copy is made on another thread, and a thread lets the loop run only between bytecodes:
 # a set built from two million ids in one call held the loop 0.2-0.4 s. Such calls take
-# this many at a time.
+# this many at a time, and between them the thread gives the loop its turn (`_give_way`).
 _SLICE = 1 << 16
+
+
+def _give_way() -> None:
+    """Hand the GIL to the loop if it waits for it. Compiled code, which this module is,
+    runs no bytecode, so a thread running it never gives the GIL up by itself: a copy of a
+    million messages held the primary's loop past its controller's delay (docs/failover.md).
+    A sleep of no time releases it."""
+    time.sleep(0)
+
+
 _BIG = array.array("H", [1]).tobytes() == b"\x00\x01"
 _EPOCHS = 1 << 32  # a record's epoch is an unsigned 32-bit field (records.key)
 
@@ -674,6 +697,7 @@ def _parse_digest(theirs: Any) -> dict[tuple[str, str], set[int]] | None:
                             offsets.byteswap()
                         high = epoch << records.OFFSET_BITS
                         for at in range(0, len(offsets), _SLICE):  # see _SLICE
+                            _give_way()
                             ids.update(map(high.__or__, offsets[at : at + _SLICE]))
                     else:
                         low, high = int(first), int(rest)

@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import json
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,6 +104,7 @@ def encode_parts(msg: core.Sync) -> list[bytes]:
         if size >= PIECE_BYTES:
             pieces.append(b"".join(piece))
             piece, size = [], 0
+            time.sleep(0)  # gives the loop the GIL: compiled code never does by itself
     if piece:
         pieces.append(b"".join(piece))
     messages: list[list[bytes]] = [[]]
