@@ -51,6 +51,11 @@ _MASK = _SLOTS - 1
 _MISSING = object()
 
 
+def shard_of(key: object) -> int:
+    """Which of a Shards' dicts holds `key` (a copy of `shards` is looked up through it)."""
+    return _SHARD_OF[hash(key) & _MASK]
+
+
 class _Shard(dict[K, V]):
     __slots__ = ()
 

@@ -67,7 +67,7 @@ from tandem.broker.model.journal import Page, Sequencer, pack_ids
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import PAGE_BYTES, Queue
 from tandem.broker.model.records import Corruption
-from tandem.broker.model.shards import Shards
+from tandem.broker.model.shards import Shards, shard_of
 from tandem.broker.store.files import replace_file
 
 log = logging.getLogger(__name__)
@@ -388,6 +388,9 @@ class Store:
         skipped (its messages were consumed)."""
         place = records.place(*page.key)
         out: dict[int, tuple[Message, int]] = {}  # by id: a copy carried forward counts once
+        # A page of a checkpoint's head names its ids: its runs of the log may also hold
+        # records of messages consumed out of order, whose ids are within its range.
+        exact = set(page.mids()) if page.ids is not None and page.only is None else None
         for seg, start, end in page.extents:
             path = self._path(seg)
             try:
@@ -410,11 +413,12 @@ class Store:
                     continue
                 _v, _q, mid, route, props, body = records.read_enqueue(payload)
                 at = (seg << AT_BITS) | (start + pos)
-                member = (
-                    page.first_mid <= mid <= page.last_mid
-                    if page.only is None
-                    else page.only.get(mid) == at
-                )
+                if page.only is not None:
+                    member = page.only.get(mid) == at
+                elif exact is not None:
+                    member = mid in exact
+                else:
+                    member = page.first_mid <= mid <= page.last_mid
                 if member and mid not in out:
                     out[mid] = (apply.message(queue, mid, route, props, body), at)
         if whole and len(out) != page.count:
@@ -925,7 +929,15 @@ class Store:
             "marked": [list(k) for k in self.marked],
             "enqueued": dict(self.enqueued),
         }
-        return _Captured(head, [dict(shard) for shard in self.where.shards], pages)
+        # The heads of the queues that page, as they are now: the writer's thread names them
+        # as pages of the log, so that a start reads none of them (`_head_pages`).
+        heads = []
+        if self.page_bytes:
+            for vh in self.broker.vhosts.values():
+                for q in vh.queues.values():
+                    if q.pageable and q.messages:
+                        heads.append(((vh.name, q.name), list(q.messages)))
+        return _Captured(head, [dict(shard) for shard in self.where.shards], pages, heads)
 
     def _write_checkpoint(self, state: _Captured, number: int, generation: int) -> None:
         if generation != self.generation or number <= self.checkpoint_written:
@@ -1384,6 +1396,8 @@ class _Captured:
     # (queue, its pages as (count, body bytes, first, last, extents, segments, ids or
     # None), the messages of each page made from a checkpoint: id -> place)
     pages: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]]
+    # Each queue that pages: its head, in order.
+    heads: list[tuple[tuple[str, str], list[Message]]] = field(default_factory=list)
 
 
 DUE_SHARE = 4  # a checkpoint every at least this share of the messages it names (`write`)
@@ -1395,9 +1409,12 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
     itself: every YIELD_EVERY messages it sleeps for no time, which hands the loop the GIL
     if it waits for it."""
     by_queue: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
+    paged, named = _head_pages(state)
     count = 0
     for shard in state.where:
         for (vhost, queue, mid), at in shard.items():
+            if named and mid in named.get((vhost, queue), ()):
+                continue  # in a page of its queue's head
             held = by_queue.get((vhost, queue))
             if held is None:
                 held = by_queue[(vhost, queue)] = ([], [], [])
@@ -1408,9 +1425,10 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
             if count % YIELD_EVERY == 0:
                 time.sleep(0)
     pages: dict[tuple[str, str], list[Any]] = {}
-    for key, key_pages, only in state.pages:
+    for key, key_pages, only in [*state.pages, *paged]:
         # A page's ids (a cluster member's) as [epoch, offsets as a C array in base64] pairs.
-        pages[key] = [
+        pages.setdefault(key, [])
+        pages[key] += [
             [*page[:6], [[e, b"".join(_packed("Q", list(o))).decode()] for e, o in page[6]]]
             if page[6] is not None
             else [*page[:6]]
@@ -1448,6 +1466,60 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
     parts.append(b"]}")
     text = b"".join(parts)
     return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
+
+
+def _head_pages(
+    state: _Captured,
+) -> tuple[list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]], dict[Any, set[int]]]:
+    """The queues' heads as pages of the log (on the writer's thread): runs of messages whose
+    ENQUEUE records `where` names, cut every PAGE_BYTES of bodies and at every message that
+    is not in the log as it is (transient, or with an expiration). Each page says exactly
+    which ids it holds: its runs of the log may hold records of messages consumed out of
+    order. Returns the pages, as `_Captured.pages` has them, and the ids they name."""
+    out: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]] = []
+    named: dict[Any, set[int]] = {}
+    for key, msgs in state.heads:
+        place = records.place(*key)
+        ids = named.setdefault(key, set())
+        entries: list[Any] = []
+        run: list[tuple[int, int, int, int]] = []  # (mid, place in the log, length, body)
+        run_bytes = 0
+        for i, m in enumerate(msgs):
+            if i % YIELD_EVERY == 0:
+                time.sleep(0)
+            k = (key[0], key[1], m.mid)
+            at = state.where[shard_of(k)].get(k)
+            if at is None or not m.persistent or m.expiration is not None:
+                if run:
+                    entries.append(_page_entry(run))
+                    run, run_bytes = [], 0
+                continue
+            run.append((m.mid, at, records.enqueue_size(place, m), m.body_size))
+            run_bytes += m.body_size
+            ids.add(m.mid)
+            if run_bytes >= PAGE_BYTES:
+                entries.append(_page_entry(run))
+                run, run_bytes = [], 0
+        if run:
+            entries.append(_page_entry(run))
+        out.append((key, entries, []))
+    return out, named
+
+
+def _page_entry(run: list[tuple[int, int, int, int]]) -> tuple[Any, ...]:
+    """A page of `run` (id, place, frame length, body length), as `_Captured.pages` has
+    pages: count, body bytes, first and last ids, extents, records per segment, ids."""
+    runs: dict[int, list[int]] = {}
+    segs: dict[int, int] = {}
+    for _mid, at, length, _body in run:
+        seg, pos = at >> AT_BITS, at & AT_MASK
+        extent = runs.setdefault(seg, [pos, pos + length])
+        extent[0], extent[1] = min(extent[0], pos), max(extent[1], pos + length)
+        segs[seg] = segs.get(seg, 0) + 1
+    extents = [(seg, start, end) for seg, (start, end) in sorted(runs.items())]
+    mids = sorted(mid for mid, *_rest in run)
+    body_bytes = sum(body for *_x, body in run)
+    return (len(run), body_bytes, mids[0], mids[-1], extents, segs, pack_ids(mids))
 
 
 PACK_EVERY = 3 << 13  # values packed at a time: a whole number of base64's 3-byte groups
