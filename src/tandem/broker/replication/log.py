@@ -404,6 +404,7 @@ class BrokerLog:
                 payload = records.payload(data)
                 key = records.read_key(payload) if rtype == records.ENQUEUE else None
                 store.write(rtype, offset, data, key)
+            store.checkpoint()  # or the next start replays all that again
         elif store is not None:
             store.set_boundaries(list(boundaries))
         log.info(
@@ -484,6 +485,8 @@ class BrokerLog:
             self.store.reset(list(boundaries))
         self._apply_copy(snapshot)
         sequencer.reset(boundaries, end)
+        if self.store is not None:
+            self.store.checkpoint()  # or the next start replays the whole copy again
         log.info(
             "took a full copy from the primary: %d records up to offset %d", len(snapshot), end
         )

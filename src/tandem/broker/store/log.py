@@ -883,6 +883,8 @@ class Store:
         2.5 s."""
         self.checkpoint_scheduled = False
         self.since_checkpoint = 0
+        if not self.checkpoint_records:
+            return  # checkpoints are off
         if self.broker is None or self.sequencer is None or self.loop is None or self.closed:
             return
         self.checkpoint_due = max(self.checkpoint_records, len(self.where) // DUE_SHARE)
