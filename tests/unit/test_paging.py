@@ -183,6 +183,40 @@ def test_a_checkpoint_names_a_head_as_pages_of_exactly_its_messages(tmp_path: Pa
     assert taker.got == [2, 3, 4, 6, 7, 8, 9]
 
 
+def test_a_message_named_alone_inside_a_head_keeps_its_place_after_a_start(tmp_path: Path) -> None:
+    """Message 3 has an expiration, so the checkpoint names it one by one, not in a page of
+    the head around it: the head's pages are cut there, and a start puts 3 back between 2
+    and 4 (a page of 2-9 had put it after 9)."""
+    body = b"3".rjust(16, b"0")
+    expiring = Message("", "q", b"\x00\x01q", b"\x11\x00\x02\x0560000", body, len(body))
+    expiring.mid = records.mid(1, 3)
+    three = records.frame(records.ENQUEUE, 1, 3, records.enqueue("/", "q", expiring))
+    write_log(tmp_path, declare(), enqueue(2), three, *(enqueue(i) for i in range(4, 10)))
+    store, _broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1)
+    store._write_checkpoint(store._captured(), 1, store.generation)
+    store.close()
+    _store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1)
+    q = broker.vhost("/").queues["q"]
+    assert q.paged >= 7
+    taker = Taker()
+    q.add_consumer(taker)
+    q.dispatch()
+    assert taker.got == list(range(2, 10))
+
+
+def test_a_start_with_no_budget_reads_a_checkpoints_pages_back(tmp_path: Path) -> None:
+    """queue_memory_bytes set to 0 after a checkpoint named a head as pages: every message
+    is in memory again, not a page of its own for each message after."""
+    write_log(tmp_path, declare(), *(enqueue(i) for i in range(2, 10)))
+    store, _broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1)
+    store._write_checkpoint(store._captured(), 1, store.generation)
+    store.close()
+    store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1)
+    q = broker.vhost("/").queues["q"]
+    assert q.paged == 0 and not store.pages and len(store.where) == 8
+    assert bodies(q) == list(range(2, 10))
+
+
 def test_compaction_leaves_an_oldest_segment_whose_live_messages_are_being_consumed(
     tmp_path: Path,
 ) -> None:

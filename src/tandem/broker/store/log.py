@@ -1060,11 +1060,18 @@ class Store:
             for page in queue_pages:
                 # A member's page must know its ids (a checkpoint of an earlier version's
                 # does not): read back, as is one a consumer took part of.
+                # With no budget (queue_memory_bytes 0 since the checkpoint), every message
+                # is in memory: the pages are read back too.
                 known = page.ids is not None or not self.keep_ids
-                if known and all(self._path(seg).exists() for seg, _s, _e in page.extents):
+                if (
+                    known
+                    and self.page_bytes
+                    and all(self._path(seg).exists() for seg, _s, _e in page.extents)
+                ):
                     items.setdefault(q, []).append((page.first_mid, page))
                     continue
-                # Part of it was consumed since: what is left comes back as messages.
+                # Part of it consumed since (or no budget, or no ids): what is left comes
+                # back as messages.
                 for msg, at in self._read(page, q, whole=False):
                     self.where[(q.vhost.name, q.name, msg.mid)] = at
                     items.setdefault(q, []).append((msg.mid, msg))
@@ -1411,12 +1418,17 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
     itself: every YIELD_EVERY messages it sleeps for no time, which hands the loop the GIL
     if it waits for it."""
     by_queue: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
-    paged, named = _head_pages(state)
+    heads, named = _head_runs(state)
+    # The other ids of those queues (named one by one): no head page's range holds one.
+    others: dict[tuple[str, str], list[int]] = {key: [] for key in heads}
     count = 0
     for shard in state.where:
         for (vhost, queue, mid), at in shard.items():
-            if named and mid in named.get((vhost, queue), ()):
-                continue  # in a page of its queue's head
+            mine = named.get((vhost, queue)) if named else None
+            if mine is not None:
+                if mid in mine:
+                    continue  # in a page of its queue's head
+                others[(vhost, queue)].append(mid)
             held = by_queue.get((vhost, queue))
             if held is None:
                 held = by_queue[(vhost, queue)] = ([], [], [])
@@ -1426,6 +1438,13 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
             count += 1
             if count % YIELD_EVERY == 0:
                 time.sleep(0)
+    for key, _pages, only in state.pages:
+        if key in others:
+            for page in only:
+                others[key] += page
+    paged: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]] = [
+        (key, _head_pages(run, sorted(others[key])), []) for key, run in heads.items()
+    ]
     pages: dict[tuple[str, str], list[Any]] = {}
     for key, key_pages, only in [*state.pages, *paged]:
         # A page's ids (a cluster member's) as [epoch, offsets as a C array in base64] pairs.
@@ -1470,45 +1489,64 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
     return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
 
 
-def _head_pages(
-    state: _Captured,
-) -> tuple[list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]], dict[Any, set[int]]]:
-    """The queues' heads as pages of the log (on the writer's thread): runs of messages whose
-    ENQUEUE records `where` names, cut every PAGE_BYTES of bodies and at every message that
-    is not in the log as it is (transient, or with an expiration). Each page says exactly
-    which ids it holds: its runs of the log may hold records of messages consumed out of
-    order. Returns the pages, as `_Captured.pages` has them, and the ids they name."""
-    out: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]] = []
+Run = list[tuple[int, int, int, int]]  # (id, place in the log, frame length, body length)
+
+
+def _head_runs(state: _Captured) -> tuple[dict[Any, Run], dict[Any, set[int]]]:
+    """Each queue's head as a checkpoint names it in pages (on the writer's thread): the
+    messages whose ENQUEUE record `where` names and that stay in the log as they are
+    (persistent, no expiration), in the head's order, each with a higher id than the one
+    before (a message requeued out of order is named one by one). Returns them, and their
+    ids by queue."""
+    runs: dict[Any, Run] = {}
     named: dict[Any, set[int]] = {}
     for key, msgs in state.heads:
         place = records.place(*key)
+        run: Run = runs.setdefault(key, [])
         ids = named.setdefault(key, set())
-        entries: list[Any] = []
-        run: list[tuple[int, int, int, int]] = []  # (mid, place in the log, length, body)
-        run_bytes = 0
+        last = -1
         for i, m in enumerate(msgs):
             if i % YIELD_EVERY == 0:
                 time.sleep(0)
             k = (key[0], key[1], m.mid)
             at = state.where[shard_of(k)].get(k)
-            if at is None or not m.persistent or m.expiration is not None:
-                if run:
-                    entries.append(_page_entry(run))
-                    run, run_bytes = [], 0
+            if at is None or not m.persistent or m.expiration is not None or m.mid <= last:
                 continue
             run.append((m.mid, at, records.enqueue_size(place, m), m.body_size))
-            run_bytes += m.body_size
             ids.add(m.mid)
-            if run_bytes >= PAGE_BYTES:
-                entries.append(_page_entry(run))
-                run, run_bytes = [], 0
-        if run:
-            entries.append(_page_entry(run))
-        out.append((key, entries, []))
-    return out, named
+            last = m.mid
+    return runs, named
 
 
-def _page_entry(run: list[tuple[int, int, int, int]]) -> tuple[Any, ...]:
+def _head_pages(run: Run, others: list[int]) -> list[Any]:
+    """A head's run as pages, as `_Captured.pages` has them: cut every PAGE_BYTES of bodies
+    and wherever one of `others` (the queue's ids named one by one, sorted) falls between
+    two of its messages. Each page says exactly which ids it holds (its runs of the log may
+    hold records of messages consumed out of order), and no page's range holds an id it
+    does not: a start puts pages and messages back in id order."""
+    entries: list[Any] = []
+    page: Run = []
+    size = j = 0
+    for i, item in enumerate(run):
+        if i % YIELD_EVERY == 0:
+            time.sleep(0)
+        mid = item[0]
+        while j < len(others) and others[j] < mid:
+            if page and others[j] > page[-1][0]:
+                entries.append(_page_entry(page))
+                page, size = [], 0
+            j += 1
+        page.append(item)
+        size += item[3]
+        if size >= PAGE_BYTES:
+            entries.append(_page_entry(page))
+            page, size = [], 0
+    if page:
+        entries.append(_page_entry(page))
+    return entries
+
+
+def _page_entry(run: Run) -> tuple[Any, ...]:
     """A page of `run` (id, place, frame length, body length), as `_Captured.pages` has
     pages: count, body bytes, first and last ids, extents, records per segment, ids."""
     runs: dict[int, list[int]] = {}
