@@ -56,7 +56,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,7 @@ from tandem.broker.store.files import replace_file
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str, int]  # (vhost, queue, message id)
+Run = list[tuple[int, int, int, int]]  # messages: (id, place in the log, frame length, body)
 # Where a record is, one int: its segment number, then its first byte in the segment.
 AT_BITS = 32
 AT_MASK = (1 << AT_BITS) - 1
@@ -1078,7 +1079,7 @@ class Store:
         count = 0
         for q, queue_items in items.items():
             queue_items.sort(key=lambda item: item[0])
-            lazy: list[tuple[int, int, int, int]] = []  # (mid, place, frame length, body length)
+            lazy: Run = []
             lazy_bytes = 0
             for mid, item in queue_items:
                 if isinstance(item, tuple):
@@ -1110,7 +1111,7 @@ class Store:
                 self.marked.add((vhost, queue, mid))
         return count
 
-    def _lazy_page(self, q: Queue, lazy: list[tuple[int, int, int, int]]) -> Page:
+    def _lazy_page(self, q: Queue, lazy: Run) -> Page:
         """A page of a checkpoint's messages, left in the log (`Page.only`)."""
         page = Page(
             (q.vhost.name, q.name),
@@ -1120,13 +1121,7 @@ class Store:
             lazy[-1][0],
         )
         page.only = {mid: at for mid, at, _length, _body in lazy}
-        runs: dict[int, list[int]] = {}
-        for _mid, at, length, _body in lazy:
-            seg, pos = at >> AT_BITS, at & AT_MASK
-            run = runs.setdefault(seg, [pos, pos + length])
-            run[0], run[1] = min(run[0], pos), max(run[1], pos + length)
-            page.segs[seg] = page.segs.get(seg, 0) + 1
-        page.extents = [(seg, start, end) for seg, (start, end) in sorted(runs.items())]
+        page.extents, page.segs = _extents(lazy)
         return page
 
     def _restore_page(self, q: Queue, page: Page) -> None:
@@ -1450,7 +1445,7 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
         # A page's ids (a cluster member's) as [epoch, offsets as a C array in base64] pairs.
         pages.setdefault(key, [])
         pages[key] += [
-            [*page[:6], [[e, b"".join(_packed("Q", list(o))).decode()] for e, o in page[6]]]
+            [*page[:6], [[e, b"".join(_packed("Q", o)).decode()] for e, o in page[6]]]
             if page[6] is not None
             else [*page[:6]]
             for page in key_pages
@@ -1487,9 +1482,6 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
     parts.append(b"]}")
     text = b"".join(parts)
     return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
-
-
-Run = list[tuple[int, int, int, int]]  # (id, place in the log, frame length, body length)
 
 
 def _head_runs(state: _Captured) -> tuple[dict[Any, Run], dict[Any, set[int]]]:
@@ -1549,23 +1541,30 @@ def _head_pages(run: Run, others: list[int]) -> list[Any]:
 def _page_entry(run: Run) -> tuple[Any, ...]:
     """A page of `run` (id, place, frame length, body length), as `_Captured.pages` has
     pages: count, body bytes, first and last ids, extents, records per segment, ids."""
-    runs: dict[int, list[int]] = {}
-    segs: dict[int, int] = {}
-    for _mid, at, length, _body in run:
-        seg, pos = at >> AT_BITS, at & AT_MASK
-        extent = runs.setdefault(seg, [pos, pos + length])
-        extent[0], extent[1] = min(extent[0], pos), max(extent[1], pos + length)
-        segs[seg] = segs.get(seg, 0) + 1
-    extents = [(seg, start, end) for seg, (start, end) in sorted(runs.items())]
+    extents, segs = _extents(run)
     mids = sorted(mid for mid, *_rest in run)
     body_bytes = sum(body for *_x, body in run)
     return (len(run), body_bytes, mids[0], mids[-1], extents, segs, pack_ids(mids))
 
 
+def _extents(run: Run) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
+    """Where the records of `run` (id, place, frame length, body length) are: for each
+    segment, one (segment, first byte, end byte) run of it holding them all, and how many
+    it holds."""
+    spans: dict[int, list[int]] = {}
+    segs: dict[int, int] = {}
+    for _mid, at, length, _body in run:
+        seg, pos = at >> AT_BITS, at & AT_MASK
+        span = spans.setdefault(seg, [pos, pos + length])
+        span[0], span[1] = min(span[0], pos), max(span[1], pos + length)
+        segs[seg] = segs.get(seg, 0) + 1
+    return [(seg, start, end) for seg, (start, end) in sorted(spans.items())], segs
+
+
 PACK_EVERY = 3 << 13  # values packed at a time: a whole number of base64's 3-byte groups
 
 
-def _packed(typecode: str, values: list[int]) -> list[bytes]:
+def _packed(typecode: str, values: Sequence[int]) -> list[bytes]:
     """`values` as a C array in base64, a piece at a time (see `_checkpoint_bytes`)."""
     out = []
     for start in range(0, len(values), PACK_EVERY):
