@@ -82,12 +82,14 @@ class Page:
         # Its messages' ids as (epoch, offsets) pairs (`pack_ids`), where they are kept.
         self.ids: list[tuple[int, array.array[int]]] | None = None
 
-    def mids(self) -> list[int]:
+    def mids(self) -> list[int] | None:
         """Its messages' ids, where it knows them (`ids`, or a checkpoint's `only`)."""
         if self.only is not None:
             return list(self.only)
+        if self.ids is None:
+            return None
         out: list[int] = []
-        for epoch, offsets in self.ids or ():
+        for epoch, offsets in self.ids:
             high = epoch << records.OFFSET_BITS
             out += map(high.__or__, offsets)
         return out

@@ -391,7 +391,8 @@ class Store:
         out: dict[int, tuple[Message, int]] = {}  # by id: a copy carried forward counts once
         # A page of a checkpoint's head names its ids: its runs of the log may also hold
         # records of messages consumed out of order, whose ids are within its range.
-        exact = set(page.mids()) if page.ids is not None and page.only is None else None
+        mids = page.mids() if page.only is None else None
+        exact = None if mids is None else set(mids)
         for seg, start, end in page.extents:
             path = self._path(seg)
             try:
