@@ -15,9 +15,10 @@ from aiohttp import web
 from tandem.broker import ha_http
 from tandem.broker.ha_http import HttpObserver
 from tandem.ha import decide
-from tandem.ha.model import ElectionRecord, Liveness, Role, View
+from tandem.ha.model import ElectionRecord, Liveness, Role, Settings, View
 
 RECORD = ElectionRecord("a", 1, frozenset({"a", "b"}))
+SLOW = 0.6  # longer than a look waits (LOOK_SECONDS), shorter than the failover delay
 
 
 @dataclass
@@ -34,7 +35,8 @@ class Endpoint:
 
 class Members:
     """An admin endpoint per member; each answers its polls as `script[node]` says, in
-    turn ("ok", "refuse" or "hang"), the last word repeating."""
+    turn ("ok", "refuse", "hang", or "slow": answer after SLOW seconds), the last word
+    repeating."""
 
     def __init__(self) -> None:
         self.script: dict[str, list[str]] = {}
@@ -46,6 +48,8 @@ class Members:
         word = turns.pop(0) if len(turns) > 1 else turns[0]
         if word == "hang":
             await self.released.wait()
+        if word == "slow":
+            await asyncio.sleep(SLOW)
         if word == "refuse":
             return web.Response(status=503)
         role = "primary" if node == "a" else "backup"
@@ -54,7 +58,7 @@ class Members:
 
 @pytest_asyncio.fixture
 async def members(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[Members, HttpObserver]]:
-    monkeypatch.setattr(ha_http, "STATUS_TIMEOUT", 60.0)  # a hang outlasts the test
+    monkeypatch.setattr(ha_http, "ANSWER_SECONDS", 60.0)  # a hang outlasts the test
     served = Members()
     app = web.Application()
     app.router.add_get("/{node}/status", served.status)
@@ -104,3 +108,28 @@ async def test_a_silent_primary_is_what_it_last_answered_and_keeps_its_clients(
     assert a.liveness is Liveness.SILENT and b.liveness is Liveness.UP
     assert (a.role, a.epoch, a.position.offset) == (Role.PRIMARY, 1, 7)
     assert decide.route(View(RECORD, (a, b))) == "a"
+
+
+@pytest.mark.asyncio
+async def test_a_member_that_answers_late_is_slow_not_silent(
+    members: tuple[Members, HttpObserver], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 16: backups busy under a saturating load answered polls in 0.3-1.2 s; a poll
+    not answered within 0.4 s counted as no answer, so a member answering every poll in
+    0.6 s was silent for over a second and dropped from the ISR. An answer that comes after
+    the look counts in the next one."""
+    monkeypatch.setattr(ha_http, "ANSWER_SECONDS", 3 * SLOW)  # no hang in this one
+    served, observer = members
+    served.script = {"a": ["ok"], "b": ["ok", "slow"]}
+    await observer.observe(RECORD)
+    settings = Settings()
+    loop = asyncio.get_running_loop()
+    looks, answered, started = 0, 0, loop.time()
+    while loop.time() - started < 4 * SLOW:
+        members_now = {m.node: m for m in await observer.observe(RECORD)}
+        b = members_now["b"]
+        looks += 1
+        answered += b.liveness is Liveness.UP
+        assert b.silent_for < settings.failover_delay, f"look {looks}: {b}"
+        await asyncio.sleep(0.1)  # the controller's poll interval
+    assert answered >= 2, f"{answered} of {looks} looks saw b's answers"

@@ -24,7 +24,13 @@ from tandem.ha.model import ElectionRecord, Liveness, Member, Position, Role
 
 log = logging.getLogger(__name__)
 
-STATUS_TIMEOUT = 0.4  # a poll that takes longer counts as no answer
+# A look waits this long for the polls it sends; a poll not answered by then goes on, and
+# its answer counts in a later look if it comes within ANSWER_SECONDS.
+LOOK_SECONDS = 0.4
+# How long a poll's answer is still taken: longer than the default failover delay, so that a
+# member answering late because it is busy (every member under a saturating load on two
+# cores) is slow, not silent. Silence is the time since the last answer, whatever this is.
+ANSWER_SECONDS = 2.0
 COMMAND_TIMEOUT = 2.0
 RENEW_SECONDS = 1.0
 
@@ -68,6 +74,7 @@ class HttpObserver:
         self.clock = clock
         self.polls: dict[str, asyncio.Task[None]] = {}  # each member's poll under way
         self.unanswered: set[str] = set()  # members whose last poll got no answer
+        self.seen: dict[str, float] = {}  # each member's last answer, as the last look saw it
 
     async def _poll(self, proc: Endpoint) -> None:
         if not proc.alive or not proc.admin_address:
@@ -75,7 +82,7 @@ class HttpObserver:
         url = f"http://{proc.admin_address}/status?brief=1"
         try:
             async with self.session.get(
-                url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=STATUS_TIMEOUT)
+                url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=ANSWER_SECONDS)
             ) as resp:
                 if resp.status == 200:
                     answer = await resp.json()
@@ -89,20 +96,26 @@ class HttpObserver:
         self.unanswered.add(proc.node)
 
     async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
-        """One look at every member. A member that did not answer its last poll is polled
-        again, but the look does not wait for it: a paused primary would otherwise hold
-        every turn for the whole poll timeout, and the failover delay would be judged 0.4 s
-        late. Its answer, when it comes, counts in the next look."""
+        """One look at every member. It waits up to LOOK_SECONDS for the polls it sends, and
+        not at all for a member that did not answer its last poll or whose poll is still
+        under way: a paused primary would otherwise hold every turn, and the failover delay
+        would be judged late. An answer that comes after the look counts in the next one: a
+        member busy enough to answer in 0.6 s is slow, not silent (issue 16: backups under a
+        saturating load answered in 0.3-1.2 s, and a poll timeout of 0.4 s dropped them from
+        the ISR several times a minute)."""
         procs = list(self.procs.values())
-        before = {p.node: p.last_answer for p in procs}
+        before = {p.node: self.seen.get(p.node, p.last_answer) for p in procs}
         waited = []
         for p in procs:
             task = self.polls.get(p.node)
             if task is None or task.done():
                 task = self.polls[p.node] = asyncio.create_task(self._poll(p))
-            if p.node not in self.unanswered:
-                waited.append(task)
-        await asyncio.gather(*waited)
+                if p.node not in self.unanswered:
+                    waited.append(task)
+        if waited:
+            await asyncio.wait(waited, timeout=LOOK_SECONDS)
+        for p in procs:
+            self.seen[p.node] = p.last_answer  # answers from now on count in the next look
         now = self.clock()
         primary = self.procs.get(record.holder or "")
         report: dict[str, MemberReport] = {}
@@ -113,7 +126,7 @@ class HttpObserver:
             if not p.alive:
                 members.append(Member(p.node, Liveness.DOWN))
                 continue
-            answered = p.last_answer != before[p.node]
+            answered = p.last_answer != before[p.node]  # since the last look
             if not answered and (not p.status or p.last_answer < p.started):
                 since = max(p.last_answer, p.started)  # nothing seen of this life yet
                 members.append(Member(p.node, Liveness.SILENT, silent_for=now - since))
