@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,11 @@ from tandem.broker.replication import wire
 # The most a message may hold before `serve`: a peer that has not proved the cluster key is
 # owed no more memory than a challenge or an answer takes.
 HANDSHAKE_BYTES = 1 << 16
+# The most one turn of the loop spends on a link's messages before the loop's other work
+# (the controller's polls, the store's callbacks) has its turn. A backup that lags applies
+# what it reads for as long as it lags: a read of 256 KiB took it 60-75 ms on a busy machine,
+# an answer to a poll took several turns, and the controller found it silent (issue 16).
+SLICE_SECONDS = 0.01
 
 
 class Link(asyncio.Protocol):
@@ -36,6 +42,7 @@ class Link(asyncio.Protocol):
         self.done: asyncio.Future[None] | None = None  # ends `serve`
         self.error: BaseException | None = None  # why it ended, once it did
         self.takes: tuple[int, ...] = ()  # the newer kinds the peer said it reads (wire.TAKES)
+        self.resting = False  # reading paused until the next turn: a slice was used up
 
     # -- asyncio.Protocol --
 
@@ -47,9 +54,15 @@ class Link(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.error is not None:
             return  # ended by a bad message or a callback's error: the rest is not read
+        self.buf += data
+        self._take()
+
+    def _take(self) -> None:
+        """Hand on the whole messages in the buffer, for up to SLICE_SECONDS; what is left
+        waits for the next turn, with reading paused meanwhile."""
         buf = self.buf
-        buf += data
         start, n = 0, len(buf)
+        until = time.monotonic() + SLICE_SECONDS
         try:
             while n - start >= 4:
                 end = start + wire.size(buf, start)
@@ -64,6 +77,9 @@ class Link(asyncio.Protocol):
                     self.handler(message)
                     if self.error is not None:
                         return
+                    if n - start >= 4 and time.monotonic() > until:
+                        self._rest()
+                        break
                 else:
                     self.messages.append(message)
                     self._wake()
@@ -74,6 +90,20 @@ class Link(asyncio.Protocol):
         finally:
             if start:
                 del buf[:start]
+
+    def _rest(self) -> None:
+        if not self.resting and not self.transport.is_closing():
+            self.resting = True
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_soon(self._go_on)
+
+    def _go_on(self) -> None:
+        self.resting = False
+        if self.error is not None or self.transport.is_closing():
+            return
+        self._take()
+        if not self.resting and self.error is None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._end(exc if exc is not None else ConnectionResetError("the peer closed it"))
