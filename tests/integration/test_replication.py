@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -694,3 +695,43 @@ def test_a_backup_that_reads_a_corrupt_record_of_a_page_takes_it_from_the_primar
     cluster.ha("b", "fence", {"epoch": 2})
     cluster.promote("b", 2, ["b"])
     assert drain(b, "q") == list(range(250, 302))
+
+
+def test_publishers_are_not_read_while_the_isr_is_far_behind(cluster: Cluster) -> None:
+    """Flow control (issue 16): a publisher that does not wait for confirms ran 100,000
+    records ahead of the backups, and the controller dropped them from the ISR. With a
+    backup of the ISR stopped, the primary stops reading its publisher once 32 MiB wait for
+    confirms, and reads it again once the backup caught up."""
+    a, b = cluster.pair()
+    total = 16_000  # of 4 KiB: 64 MB, more than the flow bound and any socket's buffers
+    published = threading.Event()
+
+    conn = pika.BlockingConnection(pika.URLParameters(a.url()))
+    conn.channel().queue_declare("q", durable=True)  # declare-ok waits for b's ack
+    conn.close()
+
+    def publisher() -> None:
+        conn = pika.BlockingConnection(pika.URLParameters(a.url()))
+        ch = conn.channel()
+        props = pika.BasicProperties(delivery_mode=2)
+        for i in range(total):
+            ch.basic_publish("", "q", str(i).encode().ljust(4096), props)
+        conn.close()
+        published.set()
+
+    assert b.proc is not None
+    b.proc.send_signal(signal.SIGSTOP)
+    thread = threading.Thread(target=publisher, daemon=True)
+    try:
+        thread.start()
+        wait_for(lambda: a.status()["flow"], "flow control to set in")
+        # Not read, the publisher cannot finish: a primary that went on reading it takes
+        # the rest in well under this.
+        assert not published.wait(3.0), "the publisher was read while the ISR was behind"
+        assert a.status()["position"] < total
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    assert published.wait(60.0), "the publisher was not read again"
+    wait_for(lambda: not a.status()["flow"], "flow control to end")
+    assert a.status()["flow_episodes"] >= 1
+    assert drain(a, "q") == list(range(total))

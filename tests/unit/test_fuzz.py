@@ -54,6 +54,7 @@ class FakeTransport:
 
 class FakeHub:
     blocked_reason = None
+    in_flow = False
     refusal = None
 
     def __init__(self) -> None:

@@ -525,3 +525,16 @@ def test_a_copy_orders_and_reads_a_slice_at_a_time_as_all_at_once(mids: list[int
         assert [m.mid for m in log_mod._by_mid(messages)] == sorted(mids)
         digest = {"/": {"q": log_mod._packed(sorted(mids))}}
         assert log_mod._parse_digest(digest) == {("/", "q"): set(mids)}
+
+
+def test_the_bytes_held_after_an_offset_are_those_of_the_frames_after_it() -> None:
+    """Flow control weighs what the ISR has not confirmed by its frames' bytes; before the
+    window's first frame, it is all the window holds (the window is bounded)."""
+    from tandem.broker.replication.log import BrokerLog
+
+    seq = Sequencer()
+    log = BrokerLog(Broker(seq), seq, None, window_bytes=250)
+    for offset in range(1, 6):
+        log.keep(offset, bytes(100))
+    seq.offset = 5
+    assert [log.bytes_after(o) for o in (5, 4, 3, 2, 0)] == [0, 100, 200, 200, 200]

@@ -177,6 +177,16 @@ class NodeCollector:
             yield GaugeMetricFamily(
                 "tandem_isr_size", "Members in the in-sync set", value=len(st.isr)
             )
+            yield GaugeMetricFamily(
+                "tandem_flow",
+                "1 while publishers are not read: too much waits for the in-sync set's acks",
+                value=1 if st.flow else 0,
+            )
+            yield CounterMetricFamily(
+                "tandem_flow_episodes",
+                "Times publishers were not read until the in-sync set caught up",
+                value=st.flow_episodes or 0,
+            )
             lag = GaugeMetricFamily(
                 "tandem_member_lag_records", "Records a member has not acked", labels=["member"]
             )

@@ -141,6 +141,7 @@ class Node:
         )
         self.blocked_reason: str | None = None
         self.alarms: dict[str, str] = {}
+        self.in_flow = False  # publishers are not read: the ISR is behind (flow control)
         self.not_applied: list[str] = []  # records recovery could not apply (a bug)
         self.reply_to: dict[str, channel_mod.Consumer] = {}
         self.connections: set[server.AMQPProtocol] = set()
@@ -301,6 +302,16 @@ class Node:
 
     def isr_blocked(self, reason: str | None) -> None:
         self.set_alarm("replication", reason)
+
+    def flow(self, on: bool) -> None:
+        """Flow control (replication/member.py's `_pace`): unlike an alarm, clients are not
+        told; a connection that publishes is read no more after its next batch, as RabbitMQ
+        does under credit flow."""
+        self.in_flow = on
+        if not on:
+            for proto in list(self.connections):
+                if proto.conn is not None:
+                    proto.conn.flow_over()
 
     # -- status --
 

@@ -71,6 +71,9 @@ class ReplicationStatus(_Model):
     applied_version: int = 0  # the election record version whose ISR it applied last
     confirmed: int | None = None
     accepting: bool | None = None
+    # Flow control: publishers are not read while too much waits for the ISR's acks.
+    flow: bool | None = None
+    flow_episodes: int | None = None  # times it set in, since the start
     members: dict[str, MemberReport] = Field(default_factory=dict)
 
 

@@ -104,6 +104,7 @@ class Hub(Protocol):
     """Node-wide services the connection uses: alarms and the direct reply-to directory."""
 
     blocked_reason: str | None
+    in_flow: bool  # publishers are read no more until it is over (flow control), untold
     reply_to: dict[str, Consumer]
     # Why this node serves no clients (a backup names its primary), or None.
     refusal: str | None
@@ -157,6 +158,7 @@ class Connection:
         self.published = False
         self.blocked_sent = False
         self.paused_for_alarm = False
+        self.paused_for_flow = False
         self.close_reason = ""
         self.name_cache: dict[bytes, tuple[str, str, bytes]] = {}
         self.props_cache: dict[bytes, bytes] = {}
@@ -378,8 +380,12 @@ class Connection:
             self.sync_channels.clear()
         if self.dirty_queues:
             self._dispatch_dirty()
-        if self.published and self.hub.blocked_reason is not None:
-            self.block(self.hub.blocked_reason)
+        if self.published:
+            if self.hub.blocked_reason is not None:
+                self.block(self.hub.blocked_reason)
+            elif self.hub.in_flow and not self.paused_for_flow:
+                self.paused_for_flow = True
+                self.transport.pause_reading()
 
     # -- errors --
 
@@ -490,7 +496,14 @@ class Connection:
             self.send_method(0, commands.Connection.Unblocked())
         if self.paused_for_alarm:
             self.paused_for_alarm = False
-            self.transport.resume_reading()
+            if not self.paused_for_flow:
+                self.transport.resume_reading()
+
+    def flow_over(self) -> None:
+        if self.paused_for_flow:
+            self.paused_for_flow = False
+            if not self.paused_for_alarm:
+                self.transport.resume_reading()
 
     def notify_blocked(self, reason: str) -> None:
         """An alarm went off: tell clients; publishers stop being read at their next publish."""

@@ -57,8 +57,11 @@ class BrokerLog:
         self.broker = broker
         self.sequencer = sequencer
         self.store = store
-        self.window: collections.deque[tuple[int, bytes, float]] = collections.deque()
+        # Frames shipped or applied, newest last: (offset, frame, when kept, the bytes kept
+        # before it since the log began).
+        self.window: collections.deque[tuple[int, bytes, float, int]] = collections.deque()
         self.window_bytes = 0
+        self.kept_bytes = 0  # bytes of all the frames ever kept
         self.window_limit = window_bytes
         self.clock = clock
         # A log recovered from disk names records that were only in memory (transient
@@ -104,8 +107,9 @@ class BrokerLog:
 
     def keep(self, offset: int, data: bytes) -> None:
         """A frame shipped (or applied) at `offset`: keep it for members catching up."""
-        self.window.append((offset, data, self.clock()))
+        self.window.append((offset, data, self.clock(), self.kept_bytes))
         self.window_bytes += len(data)
+        self.kept_bytes += len(data)
         while self.window_bytes > self.window_limit and len(self.window) > 1:
             self.window_bytes -= len(self.window.popleft()[1])
 
@@ -116,7 +120,18 @@ class BrokerLog:
         if not window or window[0][0] > offset + 1:
             return None
         start = offset + 1 - window[0][0]
-        return [data for _o, data, _t in itertools.islice(window, start, None)]
+        return [entry[1] for entry in itertools.islice(window, start, None)]
+
+    def bytes_after(self, offset: int) -> int:
+        """The bytes of the frames kept after `offset`; all the window holds if it starts
+        after it."""
+        window = self.window
+        if not window or offset >= self.end:
+            return 0
+        index = offset + 1 - window[0][0]
+        if index >= len(window):
+            return 0
+        return self.kept_bytes - window[max(0, index)][3]
 
     def age(self, offset: int) -> float:
         """Seconds since the record after `offset` was shipped (0 when there is none)."""

@@ -11,6 +11,10 @@ commands (fence, promote, follow, and the election record's ISR), and the Sequen
   a confirm or a reply waits for it; what nothing waits for yet (a consumer's acks, delivery
   marks) goes with the next batch that something does, or after `LAZY_SECONDS`, so that it
   costs the members no write, fsync and ack of its own;
+- a primary whose followers have not acked enough of its records to confirm them (more than
+  `FLOW_RECORDS` or `FLOW_BYTES`) stops reading its publishers until they have caught up to
+  half of that (the node's flow control): a publisher that does not wait for confirms would
+  otherwise run ahead of the members until the controller drops them from the ISR;
 - a follower whose unsent bytes pass `SLOW_BYTES` is disconnected: the primary's memory stays
   bounded, the controller drops the member from the ISR (rule 4), and it catches up later;
 - the epoch and the cluster id live in `<data_dir>/cluster.json`, written before an answer
@@ -50,6 +54,11 @@ from tandem.ha.model import ElectionRecord, Role
 log = logging.getLogger(__name__)
 
 SLOW_BYTES = 64 << 20  # unsent bytes to one follower before it is cut off
+# Records or bytes a primary holds that are not yet confirmed, before its publishers are read
+# no more: half of what gets a follower dropped from the ISR (ha.model.Settings's
+# max_lag_records) or cut off (SLOW_BYTES). They are read again at half of these.
+FLOW_RECORDS = 50_000
+FLOW_BYTES = SLOW_BYTES // 2
 CHECKPOINT_EVERY = 10_000  # records between the primary's audit checkpoints
 CHECKPOINTS_KEPT = 100
 RETRY_SECONDS = 0.2  # between attempts to reach the primary
@@ -70,6 +79,9 @@ class Hooks(Protocol):
 
     def isr_blocked(self, reason: str | None) -> None:
         """Below the ISR minimum, publishers are blocked (connection.blocked)."""
+
+    def flow(self, on: bool) -> None:
+        """Too much is not confirmed yet: read publishers no more (on), or again (off)."""
 
     def following(self, primary: str, amqp: str | None) -> None:
         """This backup replicates from `primary`, whose clients connect to `amqp`."""
@@ -180,6 +192,9 @@ class Member:
         self.ack_scheduled = False
         self.refused: str | None = None  # why this member cannot join its primary
         self.blocked: str | None = None  # why publishers wait, as the node was last told
+        self.flowing = False  # publishers are not read until the followers catch up
+        self.term_start = 0  # the log's end when this member last became primary
+        self.flow_episodes = 0  # times they were not read, since the start
         self.loop: asyncio.AbstractEventLoop | None = None
         self.server: asyncio.Server | None = None
         self.failovers = 0
@@ -247,6 +262,7 @@ class Member:
         self.shipped = self.pending_start + len(frames) - 1  # offsets follow one another
         self._send(self.replica.appended(self.pending_start, frames))
         self.sequencer.progress()
+        self._pace()
 
     def _hold_no_more(self) -> None:
         if self.lazy is not None:
@@ -346,6 +362,7 @@ class Member:
             self.sequencer.applying = True
             self.log.lost = True  # what it did alone since is not the cluster's history
             self._blocked(None)
+            self._pace()
         elif r.role is Role.PRIMARY and role is not Role.PRIMARY:
             if not self.state.cluster:
                 self.state.save(r.epoch, uuid.uuid4().hex)
@@ -354,6 +371,7 @@ class Member:
             apply.done(self.broker)  # the queues drop the index applying kept
             self.sequencer.applying = False
             self.sequencer.begin_term(r.epoch)
+            self.term_start = self.log.end
             self.sequencer.shipper = self
             self.log.lost = False
             self.hooks.promoted(r.epoch)
@@ -366,6 +384,7 @@ class Member:
                 "member catches up"
             )
             self.sequencer.progress()
+            self._pace()
 
     def _blocked(self, reason: str | None) -> None:
         """Tell the node why publishers wait, when that changed (this runs after every
@@ -373,6 +392,30 @@ class Member:
         if reason != self.blocked:
             self.hooks.isr_blocked(reason)
             self.blocked = reason  # once told: a hook that failed is called again
+
+    def _pace(self) -> None:
+        """Flow control, as RabbitMQ's quorum queues have it: publishers are not read while
+        more than FLOW_RECORDS or FLOW_BYTES wait for the ISR to confirm them. Under a
+        publisher that does not wait for confirms, the primary took 100,000 records more
+        than its backups had applied within seconds, and the controller dropped them from
+        the ISR (issue 16)."""
+        r = self.replica
+        if r.role is not Role.PRIMARY:
+            on = False
+        else:
+            # What came before this term is for the followers to catch up with, not for
+            # this term's publishers to wait on: none waits for it to be confirmed again.
+            confirmed = max(r.confirmed, self.term_start)
+            records = self.log.end - confirmed
+            data = self.log.bytes_after(confirmed)
+            if self.flowing:
+                on = records > FLOW_RECORDS // 2 or data > FLOW_BYTES // 2
+            else:
+                on = records > FLOW_RECORDS or data > FLOW_BYTES
+        if on != self.flowing:
+            self.flowing = on
+            self.flow_episodes += on
+            self.hooks.flow(on)
 
     def _send(self, outs: Sequence[core.Out]) -> None:
         made: tuple[core.Append, tuple[int, ...], bytes] | None = None  # the last Append
@@ -774,6 +817,7 @@ class Member:
             out.isr, out.tracking = sorted(r.isr), sorted(r.tracking)
             out.applied_version, out.confirmed = r.applied_version, r.confirmed
             out.accepting, out.members = r.accepting, members
+            out.flow, out.flow_episodes = self.flowing, self.flow_episodes
         return out
 
 
