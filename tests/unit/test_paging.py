@@ -351,3 +351,22 @@ def test_a_queue_deleted_without_a_record_is_forgotten_by_the_store(tmp_path: Pa
     broker.vhost("/").queues.pop("q")
     store.forget_gone()
     assert len(store.where) == 0 and not store.pages
+
+
+def test_a_page_that_cannot_be_read_stays_in_its_place(tmp_path: Path) -> None:
+    """A read that fails (an I/O error, the segment gone) raises, and the page stays where it
+    was with the queue's counts: it was taken off the tail first, and its messages were lost
+    to the queue though still in the log."""
+    seg = write_log(tmp_path, declare(), *(enqueue(i) for i in range(2, 6)))
+    _store, broker = recover(tmp_path)
+    q = broker.vhost("/").queues["q"]
+    first = q.get(no_ack=True)
+    assert first is not None and int(first.body_bytes()) == 2
+    depth, paged = q.depth, q.paged
+    hidden = seg.with_name("hidden")
+    seg.rename(hidden)
+    with pytest.raises(OSError):
+        q.get(no_ack=True)
+    assert (q.depth, q.paged) == (depth, paged)
+    hidden.rename(seg)
+    assert [int(q.get(no_ack=True).body_bytes()) for _ in range(3)] == [3, 4, 5]  # type: ignore[union-attr]

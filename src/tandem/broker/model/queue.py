@@ -400,8 +400,9 @@ class Queue:
     def _promote_one(self) -> bool:
         tail = self.tail
         if tail:
-            item = tail.popleft()
+            item = tail[0]
             if isinstance(item, Page):
+                # Taken off the tail once read: a read that raises leaves it in its place.
                 msgs = self.vhost.journal.page_in(item, self)
                 count, size = item.count, item.body_bytes
                 # A page read back short (a record corrupt on disk) counts what came back.
@@ -410,6 +411,7 @@ class Queue:
                     m.refs += 1
             else:
                 msgs, count, size = [item], 1, item.body_size
+            tail.popleft()
         elif self.filling:
             msgs, count, size = self.filling, len(self.filling), self.filling_bytes
             self.filling = []
