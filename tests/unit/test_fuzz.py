@@ -287,3 +287,22 @@ def test_a_connection_that_goes_quiet_gives_its_large_read_buffer_back() -> None
     assert conn.tick()  # quiet since: given back
     assert len(conn.rbuf) == READ_INITIAL
     assert len(conn.broker.vhost("/").queues["q"].messages) == 4
+
+
+def test_a_publisher_not_read_for_flow_control_is_not_closed_for_missed_heartbeats() -> None:
+    """Flow control stops reading a connection that publishes: its heartbeats wait in the
+    socket, and it is not closed for their absence (as under RabbitMQ); read again, it is."""
+    conn, _transport = new_connection()
+    conn.heartbeat = 2
+    conn.feed(frame.marshal(commands.Channel.Open(), 1))
+    conn.feed(frame.marshal(commands.Queue.Declare(queue="q"), 1))
+    hub = conn.hub
+    assert isinstance(hub, FakeHub)
+    hub.in_flow = True
+    conn.feed(_publish(1, "q", b"x", 131072))
+    assert conn.paused_for_flow
+    assert all(conn.tick() for _ in range(8))  # four heartbeat intervals, nothing read
+    hub.in_flow = False
+    conn.flow_over()
+    assert not conn.paused_for_flow
+    assert not all(conn.tick() for _ in range(4))  # read again and silent: closed

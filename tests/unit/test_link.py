@@ -5,13 +5,15 @@ length or a callback's error ends the connection with that error."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.broker.replication import core, wire
-from tandem.broker.replication.link import HANDSHAKE_BYTES, Link
+from tandem.broker.replication.link import HANDSHAKE_BYTES, SLICE_SECONDS, Link
 from tests.unit.test_member_copy import Transport
 
 
@@ -190,5 +192,60 @@ def test_a_peer_silent_in_the_handshake_is_closed(
         assert wire.split(transport.data) is not None  # the challenge went out
         assert transport.aborted  # closed
         assert "no answer to the challenge within" in caplog.text
+
+    asyncio.run(run())
+
+
+def _slow(got: list[bytes]) -> Callable[[bytes], None]:
+    """A handler that takes longer than a slice with each message (a backup applying a
+    large append)."""
+
+    def take(message: bytes) -> None:
+        time.sleep(SLICE_SECONDS * 1.5)
+        got.append(message)
+
+    return take
+
+
+def test_a_read_that_takes_longer_than_a_slice_goes_on_in_later_turns() -> None:
+    """Issue 16: a lagging backup applied a whole 256 KiB read in one turn (60-75 ms), and
+    its answers to the controller's polls waited several such turns. Past a slice, reading
+    is paused and the rest goes on in the next turn, in order, then reading resumes."""
+
+    async def run() -> None:
+        link, transport = _opened()
+        got: list[bytes] = []
+        serving = asyncio.create_task(link.serve(_slow(got)))
+        await asyncio.sleep(0)  # serve has begun
+        messages = _messages(3, [10])
+        link.data_received(b"".join(messages))
+        assert got == messages[:1] and not transport.reading
+        await asyncio.sleep(0)  # the next turn
+        assert got == messages[:2] and not transport.reading
+        await asyncio.sleep(0)
+        assert got == messages and transport.reading
+        link.close()
+        with pytest.raises(ConnectionAbortedError):
+            await serving
+
+    asyncio.run(run())
+
+
+def test_messages_read_before_an_end_that_came_during_a_rest_are_handed_on() -> None:
+    """Over TLS the peer's close is read though reading is paused: what was whole in the
+    buffer was received, and is handed on before the end is said."""
+
+    async def run() -> None:
+        link, _transport = _opened()
+        got: list[bytes] = []
+        serving = asyncio.create_task(link.serve(_slow(got)))
+        await asyncio.sleep(0)
+        messages = _messages(3, [10])
+        link.data_received(b"".join(messages))
+        assert got == messages[:1]
+        link.connection_lost(None)
+        with pytest.raises(ConnectionResetError):
+            await serving
+        assert got == messages
 
     asyncio.run(run())

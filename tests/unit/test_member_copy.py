@@ -38,6 +38,13 @@ class Transport:
         self.unsent = 0  # bytes written and not yet taken by the peer
         self.aborted = False
         self.data = b""
+        self.reading = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
 
     def write(self, data: bytes) -> None:
         self.unsent += len(data)

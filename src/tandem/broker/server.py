@@ -25,8 +25,8 @@ HANDSHAKE_TIMEOUT = 10.0
 # among the connections fed in the turn before, each getting at least MIN_TURN_FRAMES and at
 # most connection.FEED_FRAMES. Each connection taking FEED_FRAMES, ten replicated publishers
 # and a consumer made turns of 40 ms and more; an answer to the controller's status poll takes
-# three or four turns, and past 0.4 s the controller counts it as none: a primary saturated
-# for a minute was failed over although it served.
+# three or four turns, and a primary saturated for a minute was failed over although it
+# served (then, an answer after 0.4 s counted as none).
 TURN_FRAMES = 768
 MIN_TURN_FRAMES = 48
 

@@ -465,7 +465,9 @@ class Connection:
             self.write(frames.HEARTBEAT_FRAME)
         self.sent_since_tick = False
         received, self.received_bytes = self.received_bytes, 0
-        if received:
+        if received or self.paused_for_alarm or self.paused_for_flow:
+            # Not read while paused, the client's heartbeats wait in the socket: as RabbitMQ,
+            # a connection the broker stopped reading is not closed for their absence.
             self.missed_ticks = 0
         else:
             self.missed_ticks += 1

@@ -5,7 +5,8 @@ The two ends' handshake (challenge, answer, welcome) is awaited a message at a t
 `read`. After it, `serve` hands every message to a callback inside the read that brought it,
 with no stream, future or task step between the socket and the member: at a confirm window
 of one, each message was a wakeup of its own, and asyncio's streams cost the primary about a
-tenth of its CPU (docs/performance.md).
+tenth of its CPU (docs/performance.md). A read whose messages take longer than
+SLICE_SECONDS to hand on is finished in later turns of the loop, reading paused meanwhile.
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ class Link(asyncio.Protocol):
         self.buf += data
         self._take()
 
-    def _take(self) -> None:
-        """Hand on the whole messages in the buffer, for up to SLICE_SECONDS; what is left
+    def _take(self, slice_seconds: float = SLICE_SECONDS) -> None:
+        """Hand on the whole messages in the buffer, for up to `slice_seconds`; what is left
         waits for the next turn, with reading paused meanwhile."""
         buf = self.buf
         start, n = 0, len(buf)
-        until = time.monotonic() + SLICE_SECONDS
+        until = time.monotonic() + slice_seconds
         try:
             while n - start >= 4:
                 end = start + wire.size(buf, start)
@@ -106,6 +107,10 @@ class Link(asyncio.Protocol):
             self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.resting and self.error is None and self.handler is not None:
+            # Ended while it rested (TLS reads the peer's close though reading is paused):
+            # what is whole in the buffer was received, and goes on before the end is said.
+            self._take(slice_seconds=float("inf"))
         self._end(exc if exc is not None else ConnectionResetError("the peer closed it"))
 
     # -- reading --

@@ -394,7 +394,7 @@ class Member:
             self.blocked = reason  # once told: a hook that failed is called again
 
     def _pace(self) -> None:
-        """Flow control, as RabbitMQ's quorum queues have it: publishers are not read while
+        """Flow control, as RabbitMQ's credit flow has it: publishers are not read while
         more than FLOW_RECORDS or FLOW_BYTES wait for the ISR to confirm them. Under a
         publisher that does not wait for confirms, the primary took 100,000 records more
         than its backups had applied within seconds, and the controller dropped them from
@@ -413,9 +413,10 @@ class Member:
             else:
                 on = records > FLOW_RECORDS or data > FLOW_BYTES
         if on != self.flowing:
-            self.flowing = on
-            self.flow_episodes += on
             self.hooks.flow(on)
+            self.flowing = on  # once told: a hook that failed is called again
+            if on:
+                self.flow_episodes += 1
 
     def _send(self, outs: Sequence[core.Out]) -> None:
         made: tuple[core.Append, tuple[int, ...], bytes] | None = None  # the last Append
