@@ -498,14 +498,17 @@ class Connection:
             self.send_method(0, commands.Connection.Unblocked())
         if self.paused_for_alarm:
             self.paused_for_alarm = False
-            if not self.paused_for_flow:
-                self.transport.resume_reading()
+            self._read_again()
 
     def flow_over(self) -> None:
         if self.paused_for_flow:
             self.paused_for_flow = False
-            if not self.paused_for_alarm:
-                self.transport.resume_reading()
+            self._read_again()
+
+    def _read_again(self) -> None:
+        """Resume reading once neither an alarm nor flow control holds it."""
+        if not (self.paused_for_alarm or self.paused_for_flow):
+            self.transport.resume_reading()
 
     def notify_blocked(self, reason: str) -> None:
         """An alarm went off: tell clients; publishers stop being read at their next publish."""

@@ -125,23 +125,22 @@ class BrokerLog:
     def bytes_after(self, offset: int) -> int:
         """The bytes of the frames kept after `offset`; all the window holds if it starts
         after it."""
-        window = self.window
-        if not window or offset >= self.end:
-            return 0
-        index = offset + 1 - window[0][0]
-        if index >= len(window):
-            return 0
-        return self.kept_bytes - window[max(0, index)][3]
+        entry = self._kept_after(offset)
+        return 0 if entry is None else self.kept_bytes - entry[3]
 
     def age(self, offset: int) -> float:
         """Seconds since the record after `offset` was shipped (0 when there is none)."""
+        entry = self._kept_after(offset)
+        return 0.0 if entry is None else self.clock() - entry[2]
+
+    def _kept_after(self, offset: int) -> tuple[int, bytes, float, int] | None:
+        """The window's entry for the record after `offset`, its first if it starts after
+        that one; None when the window holds nothing after `offset`."""
         window = self.window
         if not window or offset >= self.end:
-            return 0.0
+            return None
         index = offset + 1 - window[0][0]
-        if index < 0:
-            return self.clock() - window[0][2]
-        return self.clock() - window[index][2]
+        return window[max(0, index)] if index < len(window) else None
 
     def digest(self) -> dict[str, dict[str, list[list[Any]]]]:
         """What this member holds: for each queue replicated `all`, its message ids (a

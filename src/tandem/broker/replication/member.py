@@ -362,7 +362,6 @@ class Member:
             self.sequencer.applying = True
             self.log.lost = True  # what it did alone since is not the cluster's history
             self._blocked(None)
-            self._pace()
         elif r.role is Role.PRIMARY and role is not Role.PRIMARY:
             if not self.state.cluster:
                 self.state.save(r.epoch, uuid.uuid4().hex)
@@ -384,7 +383,7 @@ class Member:
                 "member catches up"
             )
             self.sequencer.progress()
-            self._pace()
+        self._pace()  # on a step down too: publishers are read again
 
     def _blocked(self, reason: str | None) -> None:
         """Tell the node why publishers wait, when that changed (this runs after every
