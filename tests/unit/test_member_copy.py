@@ -238,3 +238,72 @@ def test_a_backup_acks_records_only_once_they_are_on_its_disk(tmp_path: Path) ->
         assert all(acked <= synced for acked, synced in upstream.acks), upstream.acks
 
     asyncio.run(run())
+
+
+class FlowHooks(Hooks):
+    def __init__(self) -> None:
+        self.flows: list[bool] = []
+
+    def flow(self, on: bool) -> None:
+        self.flows.append(on)
+
+
+def test_flow_control_sets_in_past_the_record_bound_of_this_term_and_ends_at_half(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Publishers wait while more than FLOW_RECORDS of this term's records are not
+    confirmed, and are read again once that is down to half of it: not at the bound, or
+    each ack would turn them on and off. What came before the term waits on no one."""
+    monkeypatch.setattr(member, "FLOW_RECORDS", 20)
+
+    async def run() -> None:
+        seq = Sequencer()
+        b = Broker(seq)
+        b.add_vhost("/")
+        hooks = FlowHooks()
+        m = member.Member("a", b, seq, None, hooks, key=b"k" * 16, data_dir=None, isr_min=2)
+        m.loop = asyncio.get_running_loop()
+        isr = frozenset({"a", "b"})
+        m.promote(ElectionRecord("a", 1, isr, 1))
+        q, _ = b.vhost("/").declare_queue("q", durable=True)
+        for _ in range(15):  # b acks none of them: under the bound
+            publish(q)
+            m._flush(due=True)
+        assert hooks.flows == [] and m.replica.confirmed == 0
+        m.fence(2)
+        m.promote(ElectionRecord("a", 2, isr, 2))  # 16 records from the first term
+        term_start = m.log.end
+        for _ in range(20):  # 36 not confirmed, 20 of this term
+            publish(q)
+            m._flush(due=True)
+        assert hooks.flows == [], "records from before the term counted"
+        publish(q)
+        m._flush(due=True)
+        assert hooks.flows == [True] and m.flowing and m.flow_episodes == 1
+        end = m.log.end
+        assert end - term_start == 21
+        follower = Follower()
+        m.peers["b"] = follower.link
+        m.on_peer(core.Hello("b", 2, (5, 1), m.log.boundaries(), 0))
+        assert follower.kinds() == [wire.SYNC]
+
+        def ack(offset: int) -> None:
+            m.on_peer(core.Ack("b", 2, (5, 1), offset))
+            assert m.replica.confirmed == offset
+
+        ack(end - 19)  # 19 not confirmed: under the bound, over its half
+        ack(end - 11)
+        assert hooks.flows == [True], "read again before the half"
+        ack(end - 10)
+        assert hooks.flows == [True, False] and not m.flowing
+        for _ in range(10):  # 20: at the bound, not past it
+            publish(q)
+            m._flush(due=True)
+        assert hooks.flows == [True, False]
+        publish(q)
+        m._flush(due=True)
+        assert hooks.flows == [True, False, True] and m.flow_episodes == 2
+        m.fence(3)  # stepped down: its publishers are closed, not held
+        assert hooks.flows == [True, False, True, False]
+
+    asyncio.run(run())
