@@ -198,6 +198,8 @@ def test_a_restarted_backup_takes_the_difference_before_it_counts(cluster: Clust
     status = b.status()
     assert status["whole"] is True and status["catch_up_bytes"] > 0
     assert "took the difference from the primary" in b.log()
+    # Told by its log's end alone: the primary's window holds the 15 dequeues since.
+    assert "the difference from it and the 15 dequeues since, without its digest" in a.log()
     assert consumed == list(range(15))
     assert b.queue("q")["depth"] == a.queue("q")["depth"] == 41
     b.kill()  # what it wrote to its disk reads back: the persistent ones, 40 - 15 + 5 + 1
@@ -432,6 +434,8 @@ def test_a_member_whose_log_diverged_takes_the_difference_and_starts_its_log_ove
     had; it takes the difference, not a full copy, and its log starts over from what it
     then holds, so that it reads back the same."""
     a, b = diverge(cluster, ahead=10)
+    # Its brief digest (a restart) says too little where the logs part: b asked for its ids.
+    assert "a follower restarted at offset 16: its digest is needed" in b.log()
     assert "took the difference from the primary" in a.log()
     assert "the log starts over from what this node holds" in a.log()
     assert a.queue("q")["depth"] == b.queue("q")["depth"] == 9
@@ -635,6 +639,7 @@ def test_a_restarted_member_whose_queue_pages_takes_the_difference_without_readi
     cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a", "b"])})
     publish(a, "q", 1, start=205)  # confirmed: b is synced
     assert "took the difference from the primary" in b.log()
+    assert "the difference from it and the 15 dequeues since, without its digest" in a.log()
     assert b.status()["whole"] is True
     assert b.queue("q")["depth"] == a.queue("q")["depth"] == 191
     assert b.queue("q")["paged"] > 100  # what it held was compared, not read back

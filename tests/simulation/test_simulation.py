@@ -107,6 +107,28 @@ def test_message_ids_by_offset_alone_are_caught(monkeypatch: pytest.MonkeyPatch)
             World(seed, messages=True).run()
 
 
+def test_a_brief_digest_trusted_past_where_the_logs_agree_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restarted member says in brief that it holds the persistent messages up to its
+    log's end. A primary that took that at its word where its log and the member's part
+    (the member was an old primary with records of its own) would not send the messages
+    it lacks, and the simulation says so."""
+    from tests.simulation import world as world_mod
+
+    snapshot = world_mod.MessageLog.snapshot
+
+    def trusting(log: world_mod.MessageLog, theirs: object = None, agree: int = 0) -> object:
+        if isinstance(theirs, tuple):
+            agree = theirs[1]
+        return snapshot(log, theirs, agree)
+
+    monkeypatch.setattr(world_mod.MessageLog, "snapshot", trusting)
+    with pytest.raises(Violation, match="confirmed message lost"):
+        for seed in range(1500):
+            World(seed, messages=True).run()
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     ("nodes", "isr_min", "schedules"), _scaled([(3, 2, 600), (5, 3, 300), (3, 1, 200)])

@@ -7,7 +7,7 @@ import datetime
 import json
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pamqp import commands
 
@@ -105,13 +105,20 @@ ops = st.lists(
 )
 
 
-def run(script: list[tuple[Any, ...]]) -> tuple[Broker, dict[str, list[Message]], Disk, Wire]:
+def run(
+    script: list[tuple[Any, ...]], cut: list[int] | None = None
+) -> tuple[Broker, dict[str, list[Message]], Disk, Wire]:
+    """Run `script` on a primary; with `cut` ([an index into it]), append how many frames
+    were on its disk before that op."""
     b, seq, disk, wire, now = primary()
     vh = b.vhost("/")
     vh.declare_queue("dead", durable=True)
     unacked: list[tuple[Any, Message]] = []
     n = 0
-    for op in script:
+    for i, op in enumerate(script):
+        if cut is not None and i == cut[0]:
+            seq.emit_marks()
+            cut.append(len(disk.frames))
         kind = op[0]
         q = vh.queues.get(op[1]) if kind in ("publish", "get", "purge", "delete") else None
         if kind == "declare" and op[1] not in vh.queues:
@@ -164,6 +171,63 @@ def test_a_backup_holds_what_the_primary_holds(script: list[tuple[Any, ...]]) ->
         assert sorted(m.mid for m in queues[name].messages) == sorted(m.mid for m in msgs)
         assert queues[name].depth == len(msgs)
         # Delivered (awaiting its ack) or requeued: after failover it goes out redelivered.
+        outstanding = b.vhost("/").queues[name].outstanding
+        want = {m.mid: m.redelivered or m.mid in outstanding for m in msgs}
+        assert {m.mid: m.redelivered for m in queues[name].messages} == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, ops)
+@example(  # a queue of the same name deleted and declared again: its messages went unsaid
+    [("declare", "a", True, False), ("publish", "a", True, False)],
+    [("delete", "a"), ("declare", "a", True, False), ("publish", "a", True, False)],
+)
+@example(  # acked, dead-lettered and delivered since the restart
+    [
+        ("declare", "a", True, True),
+        ("publish", "a", True, False),
+        ("publish", "a", False, False),
+        ("publish", "a", True, False),
+        ("get", "a"),
+        ("get", "a"),
+    ],
+    [("ack", 0), ("get", "a"), ("tick", 150), ("publish", "b", True, False)],
+)
+def test_a_restarted_member_takes_what_it_lacks_from_the_primarys_window(
+    before: list[tuple[Any, ...]], after: list[tuple[Any, ...]]
+) -> None:
+    """A member restarted from its own durable records says so in brief (its log's end),
+    and the primary makes the difference from that and its window of what came since, with
+    no digest of ids: the member then holds what the primary holds. Where a queue was
+    deleted since, the primary cannot, and says so (None: the member sends its digest)."""
+    from tandem.broker.replication.log import BrokerLog
+
+    cut = [len(before)]
+    b, held, disk, wire = run([*before, *after, ("turn",)], cut)
+    restarted, restarted_seq = replay(disk.frames[: cut[1]])
+    member_log = BrokerLog(restarted, restarted_seq, None)
+    end = member_log.end
+    theirs = member_log.digest(brief=True)
+    assert (theirs == ["restarted", end]) == (end > 0)
+    seq = b.journal
+    assert isinstance(seq, Sequencer)
+    primary_log = BrokerLog(b, seq, None)
+    deleted = False
+    for frame in wire.frames:
+        rtype, _epoch, offset, _durable = records.head(frame)
+        primary_log.keep(offset, frame)
+        if rtype == records.DEFINE and offset > end:
+            deleted |= records.decode_body(records.payload(frame))["op"] == "queue.delete"
+    copy = primary_log.snapshot(theirs, end)
+    if copy is None:
+        assert deleted and end > 0
+        return
+    member_log.install(primary_log.boundaries(), primary_log.end, copy.frames())
+    assert member_log.whole and member_log.not_applied == []
+    queues = restarted.vhost("/").queues
+    assert set(queues) == set(held)
+    for name, msgs in held.items():
+        assert sorted(m.mid for m in queues[name].messages) == sorted(m.mid for m in msgs)
         outstanding = b.vhost("/").queues[name].outstanding
         want = {m.mid: m.redelivered or m.mid in outstanding for m in msgs}
         assert {m.mid: m.redelivered for m in queues[name].messages} == want

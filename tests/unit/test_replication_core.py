@@ -90,3 +90,53 @@ def test_below_the_isr_minimum_the_primary_takes_no_writes() -> None:
     assert not a.accepting
     a.isr_min = 1
     assert a.accepting
+
+
+class BriefLog(EpochLog):
+    """A log whose digest can be brief, and whose copy cannot be made from it past
+    `usable` (as the broker's, past what its window holds)."""
+
+    usable = True
+    digests: list[bool]
+    copied_from: object = None
+
+    def digest(self, brief: bool = False) -> object:
+        self.digests.append(brief)
+        return "brief" if brief else "whole"
+
+    def snapshot(self, theirs: object = None, agree: int = 0) -> object:
+        if theirs == "brief" and not self.usable:
+            return None
+        self.copied_from = theirs
+        return tuple(self)
+
+
+@pytest.mark.parametrize("usable", [True, False])
+def test_a_brief_digest_the_primary_cannot_use_is_asked_for_in_full(usable: bool) -> None:
+    """A restarted follower says what it holds in brief; a primary that can make the copy
+    from that does, one that cannot answers Detail, and the follower's next Hello carries
+    its whole digest (and its Hellos after a copy are brief again)."""
+    record = ElectionRecord("a", 2, frozenset("ab"), version=1)
+    primary_log, follower_log = BriefLog([2, 2]), BriefLog([2])
+    primary_log.digests, follower_log.digests = [], []
+    primary_log.usable = usable
+    follower_log.lost = True
+    a = core.Replica("a", primary_log, epoch=2)
+    b = core.Replica("b", follower_log, epoch=2, incarnation=1)
+    a.control(core.Promote(record))
+    ((_, hello),) = b.control(core.Follow("a", 2))
+    assert hello.digest == "brief"
+    ((_, answer),) = a.peer(hello)
+    if not usable:
+        assert answer == core.Detail("a", 2, hello.session)
+        assert b.peer(core.Detail("a", 2, (1, 0))) == []  # of an earlier attempt
+        ((_, hello),) = b.peer(answer)
+        assert hello.digest == "whole" and hello.session > answer.session
+        assert b.tick() == [("a", hello)]  # repeated as it was
+        ((_, answer),) = a.peer(hello)
+    assert isinstance(answer, core.Sync) and answer.full == (2, 2)
+    assert primary_log.copied_from == hello.digest
+    ((_, ack),) = b.peer(answer)
+    assert isinstance(ack, core.Ack) and b.synced and not b.detailed
+    b.control(core.Follow("a", 2))
+    assert follower_log.digests[-1] is True

@@ -113,3 +113,16 @@ def _last(follower: Follower) -> bytes:
         if split[1] == len(data):
             return data
         data = data[split[1] :]
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        core.Detail("a", 4, (1_764_000_000_000_000_000, 3)),
+        core.Hello("b", 4, (5, 2), ((1, 1), (4, 9)), 12, False, ["restarted", 12]),
+        core.Rejoin("a", 4),
+        core.Stale("c", 9),
+    ],
+)
+def test_the_other_kinds_read_back_as_they_were_sent(msg: core.PeerMessage) -> None:
+    assert wire.decode(wire.encode(msg, wire.TAKES)) == msg

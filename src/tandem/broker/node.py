@@ -458,6 +458,10 @@ class Node:
                 client_ssl=self._client_tls() if cfg.replication_tls else None,
             )
             self.member.log.on_auth = self.save_auth
+            if self.store is not None and (result.corrupt or result.not_applied):
+                # Its state is not all its records say (a message a checkpoint named was
+                # left out): the primary needs its digest, not its log's end (`digest`).
+                self.member.log.lost = True
             await _listen(
                 "replication",
                 "--replication-port (or replication_port)",

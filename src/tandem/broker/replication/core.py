@@ -20,7 +20,10 @@ the offset up to which the two logs agree (by epoch boundaries, as Kafka's leade
 its entries after that. The follower truncates to that offset and appends. When the primary
 no longer holds those entries, when the follower's log cannot be truncated, or when the
 follower lost records it had (a restart loses what was only in memory), the Sync carries a
-full copy instead. After that, each new
+copy instead: the difference from what the follower's Hello says it holds (its `digest`), or
+everything. A follower that only restarted says so in brief (its log's end); a primary that
+cannot make the difference from that (the logs part, or it no longer holds what came since)
+answers `Detail`, and the follower says Hello again with its whole digest. After that, each new
 entry is shipped as an `Append` starting where the follower's log ends; a gap (a lost message)
 makes the follower say `Hello` again.
 """
@@ -69,12 +72,16 @@ class Log(Protocol):
     def since(self, offset: int) -> Sequence[Any] | None:
         """The entries after `offset`, or None when they are no longer held."""
 
-    def digest(self) -> Any:
+    def digest(self, brief: bool = False) -> Any:
         """What a follower holds, so that a copy can be the difference rather than
-        everything (None: send everything)."""
+        everything (None: send everything); `brief`: said in a few words where the log can
+        (a restart that lost only what was in memory), which a primary may not be able to
+        use (`snapshot`)."""
 
-    def snapshot(self, theirs: Any = None) -> Any:
-        """A copy for a follower: everything, or, given its `digest`, what differs."""
+    def snapshot(self, theirs: Any = None, agree: int = 0) -> Any:
+        """A copy for a follower: everything, or, given its `digest`, what differs. None
+        when `theirs` is brief and says too little for a copy: the logs agree only up to
+        `agree`, or this log no longer holds what came since."""
 
     def truncate(self, offset: int) -> None: ...
 
@@ -133,6 +140,16 @@ class Rejoin:
 
 
 @dataclass(frozen=True, slots=True)
+class Detail:
+    """The primary cannot make a copy from what the follower's Hello said in brief: say
+    Hello again with the whole digest."""
+
+    sender: str
+    epoch: int
+    session: Session
+
+
+@dataclass(frozen=True, slots=True)
 class Stale:
     """The answer to a message from a lower epoch: here is the higher one."""
 
@@ -164,7 +181,7 @@ class Inform:
     record: ElectionRecord
 
 
-PeerMessage = Hello | Sync | Append | Ack | Rejoin | Stale
+PeerMessage = Hello | Sync | Append | Ack | Rejoin | Stale | Detail
 ControlMessage = Fence | Promote | Follow | Inform
 Out = tuple[str, PeerMessage]
 
@@ -220,6 +237,7 @@ class Replica:
     # for, sent and reported again at every tick.
     failed_copies: int = 0
     quiet_ticks: int = 0
+    detailed: bool = False  # the primary asked for the whole digest (`Detail`)
 
     # -- what the controller observes --
 
@@ -242,6 +260,7 @@ class Replica:
         if incarnation is not None:
             self.incarnation, self.session = incarnation, (incarnation, 0)
         self.role, self.following, self.synced = Role.BACKUP, None, False
+        self.detailed = False
         self.isr = self.tracking = frozenset()
         self.applied_version, self.confirmed = 0, 0
         self.acked, self.peers = {}, {}
@@ -327,6 +346,7 @@ class Replica:
                 return []
             self._adopt(msg.epoch)
             self.role, self.following, self.synced = Role.BACKUP, msg.primary, False
+            self.detailed = False  # a new primary may make do with the brief digest
             return [self._hello()]
         if isinstance(msg, Inform):
             rec = msg.record
@@ -357,6 +377,16 @@ class Replica:
                 self.synced = False
                 return [self._hello()]
             return []
+        if isinstance(msg, Detail):
+            if (
+                self.role is Role.BACKUP
+                and msg.sender == self.following
+                and not self.synced
+                and msg.session == self.session
+            ):
+                self.detailed = True
+                return [self._hello()]
+            return []  # the answer to an earlier Hello
         if isinstance(msg, Sync | Append):
             if self.role is not Role.BACKUP or msg.sender != self.following:
                 return []
@@ -386,7 +416,7 @@ class Replica:
         if not again:
             self.session = (self.incarnation, self.session[1] + 1)
         log = self.log
-        digest = log.digest()
+        digest = log.digest(brief=not self.detailed)
         hello = Hello(
             self.node, self.epoch, self.session, log.boundaries(), log.end, log.whole, digest
         )
@@ -408,7 +438,9 @@ class Replica:
         entries = log.since(agree) if msg.whole and (agree == msg.end or log.truncates) else None
         if entries is None:
             # With the follower's digest, a copy is just the difference from what it holds.
-            copy = log.snapshot(msg.digest)
+            copy = log.snapshot(msg.digest, agree)
+            if copy is None:  # a brief digest that says too little here
+                return [(msg.sender, Detail(self.node, self.epoch, msg.session))]
             full = Sync(self.node, self.epoch, msg.session, 0, (), copy, mine, log.end)
             return [(msg.sender, full)]
         return [(msg.sender, Sync(self.node, self.epoch, msg.session, agree, entries))]
@@ -441,7 +473,7 @@ class Replica:
             # Hello is repeated while the copy is made and travels.
             self.session = (self.incarnation, self.session[1] + 1)
             return []
-        self.synced, self.failed_copies = True, 0
+        self.synced, self.failed_copies, self.detailed = True, 0, False
         return [self._ack()]
 
     def _on_append(self, msg: Append) -> list[Out]:

@@ -66,7 +66,9 @@ class BrokerLog:
         self.clock = clock
         # A log recovered from disk names records that were only in memory (transient
         # messages on replicated queues): it is whole again once it took a full copy.
-        self.lost = sequencer.offset > 0
+        # `restarted`: that is all it lost, so it holds exactly what its own durable records
+        # say (`digest`), until anything else makes it not whole (`lost`).
+        self._lost = self.restarted = sequencer.offset > 0
         self.on_checkpoint: Callable[[int, int, dict[str, Any]], object] = lambda e, o, b: None
         self.on_auth: Callable[[], None] = lambda: None  # users changed: save them
         self.drop_enqueues_to: str | None = None  # a test-only fault (see `drop_enqueues`)
@@ -96,7 +98,16 @@ class BrokerLog:
 
     @property
     def whole(self) -> bool:
-        return not self.lost
+        return not self._lost
+
+    @property
+    def lost(self) -> bool:
+        return self._lost
+
+    @lost.setter
+    def lost(self, value: bool) -> None:
+        self._lost = value
+        self.restarted = False  # whatever else happened, its state is not its log's alone
 
     @property
     def truncates(self) -> bool:
@@ -142,8 +153,12 @@ class BrokerLog:
         index = offset + 1 - window[0][0]
         return window[max(0, index)] if index < len(window) else None
 
-    def digest(self) -> dict[str, dict[str, list[list[Any]]]]:
-        """What this member holds: for each queue replicated `all`, its message ids (a
+    def digest(self, brief: bool = False) -> Any:
+        """What this member holds. `brief`, after a restart that lost only what was in
+        memory: [RESTARTED, its log's end], for it holds exactly the persistent messages of
+        durable queues that were there at that end, which a primary that holds what came
+        since knows without a million ids (`snapshot`). Otherwise: for each queue replicated
+        `all`, its message ids (a
         restarted member holds its persistent messages; the primary sends the rest). Ids are
         (epoch, offset) (records.mid): a message of a diverged suffix never passes for the
         primary's message at the same offset of a later epoch. Each queue's are [epoch,
@@ -151,6 +166,8 @@ class BrokerLog:
         million messages, made, sent and read in a fraction of the time [first, last] runs
         of consecutive ids took (a queue's ids are rarely consecutive), on the primary's loop
         among others (docs/performance.md)."""
+        if brief and self.restarted:
+            return [RESTARTED, self.end]
         state = (self.end, self.installed)
         if self.digested is not None and self.digested[0] == state:
             return self.digested[1]  # a Hello repeated while the follower waits for its copy
@@ -175,11 +192,29 @@ class BrokerLog:
             mids = [m.mid for m in self.sequencer.page_in(page, q, keep=True)]
         return _packed(sorted(mids))
 
-    def snapshot(self, theirs: Any = None) -> Copy:
+    def snapshot(self, theirs: Any = None, agree: int = 0) -> Copy | None:
         """A copy of the replicated state at `end`: all of it, or, given a follower's digest,
         the definitions and what differs from what it holds. What it copies is captured
         now, in a few C-speed copies of each queue's messages; its frames are made when it
-        is iterated, which the member does on another thread (`Copy`)."""
+        is iterated, which the member does on another thread (`Copy`). None for a brief
+        digest this log cannot use (`_since_restart`)."""
+        restarted_at = _brief(theirs)
+        if restarted_at is not None:
+            theirs = self._since_restart(restarted_at, agree)
+            if theirs is None:
+                log.info(
+                    "a follower restarted at offset %d: its digest is needed (our logs agree "
+                    "up to %d; our window, a deleted queue or vhost since)",
+                    restarted_at,
+                    agree,
+                )
+                return None
+            log.info(
+                "a follower restarted at offset %d: the difference from it and the %d "
+                "dequeues since, without its digest",
+                restarted_at,
+                len(theirs.dequeues),
+            )
         sequencer = self.sequencer
         epoch = self.last_epoch
         self.captured += 1
@@ -223,6 +258,32 @@ class BrokerLog:
             self.store.pin(pinned)
         bounds = tuple(sequencer.boundaries)
         return Copy(head, queues, theirs, bounds, epoch, self.end, self.store, pinned)
+
+    def _since_restart(self, end: int, agree: int) -> Restarted | None:
+        """What a follower that restarted at `end` lacks, told by this log: every message
+        but the persistent ones of durable queues enqueued up to `end`, and of those, the
+        ones removed since (the durable DEQUEUE records after `end`). None when that cannot
+        be known here: its log went past the point where ours agrees with it, the window no
+        longer holds what came after it, or a queue or vhost was deleted since (a queue of
+        the same name may hold other messages now; its DEQUEUE records do not say)."""
+        frames = self.since(end) if agree == end else None
+        if frames is None:
+            return None
+        at = records.REC_HDR.size
+        dequeues: list[bytes] = []
+        for data in frames:
+            flags = data[at]
+            rtype = flags & records.TYPE_MASK
+            if rtype == records.DEQUEUE:
+                if flags & records.DURABLE:
+                    dequeues.append(data)
+            elif rtype == records.SNAPSHOT:
+                return None
+            elif rtype == records.DEFINE:
+                op = records.decode_body(records.payload(data)).get("op")
+                if op in ("queue.delete", "vhost.delete"):
+                    return None
+        return Restarted(end, dequeues)
 
     # -- what the protocol writes (on a backup) --
 
@@ -556,6 +617,9 @@ class Copy:
             self.release()
 
     def _frames(self) -> list[bytes]:
+        restarted = self.theirs if isinstance(self.theirs, Restarted) else None
+        if restarted is not None:
+            return self._restarted_frames(restarted)
         held = _parse_digest(self.theirs)
         epoch, end, bounds = self.epoch, self.end, self.bounds
         out = [] if held is None else [records.frame(records.DEFINE, epoch, end, DIFF, False)]
@@ -610,6 +674,99 @@ class Copy:
                     key = records.key(vhost, queue, mid)
                     out.append(records.frame(records.DEQUEUE, epoch, end, key, durable_q))
         return out
+
+    def _restarted_frames(self, restarted: Restarted) -> list[bytes]:
+        """The difference for a follower that restarted at `restarted.end`: it holds the
+        persistent messages of durable queues enqueued up to there, less those removed
+        since. A page (persistent messages of a durable queue only) it holds whole is not
+        read."""
+        epoch, end, bounds = self.epoch, self.end, self.bounds
+        upto = restarted.end
+        gone = restarted.removed()
+        out = [records.frame(records.DEFINE, epoch, end, DIFF, False), *self.head]
+        for vhost, queue, durable_q, messages, outstanding, pages, q in self.queues:
+            ours = messages + list(outstanding.values())
+            for page, kept in pages:
+                _give_way()
+                mids = page.mids()
+                if kept is None and mids is not None and durable_q and _before(mids, upto):
+                    continue  # the follower holds all of it
+                if kept is not None:
+                    ours += kept
+                else:
+                    assert self.store is not None
+                    ours += self.store.read_copy(page, q)
+            lacked: list[Message] = []
+            for at in range(0, len(ours), _SLICE):
+                _give_way()
+                lacked += [
+                    m
+                    for m in ours[at : at + _SLICE]
+                    if not (durable_q and m.persistent and m.mid & records.OFFSET_MASK <= upto)
+                    or m.redelivered
+                    or m.mid in outstanding
+                ]
+            for i, m in enumerate(_by_mid(lacked)):
+                if not i % _SLICE:
+                    _give_way()
+                e, o = _position_of(bounds, m.mid, epoch)
+                if not (durable_q and m.persistent and o <= upto):
+                    payload = records.enqueue(vhost, queue, m)
+                    out.append(
+                        records.frame(records.ENQUEUE, e, o, payload, m.persistent and durable_q)
+                    )
+                if m.redelivered or m.mid in outstanding:
+                    key = records.key(vhost, queue, m.mid)
+                    out.append(records.frame(records.MARK, e, o, key, False))
+            for mid in sorted(gone.get((vhost, queue), ())) if durable_q else ():
+                key = records.key(vhost, queue, mid)
+                out.append(records.frame(records.DEQUEUE, epoch, end, key, True))
+        return out
+
+
+class Restarted:
+    """What a primary knows of a follower that restarted at `end` (`BrokerLog.digest`,
+    brief): the durable DEQUEUE records it took since, read on the copy's thread."""
+
+    def __init__(self, end: int, dequeues: list[bytes]) -> None:
+        self.end = end
+        self.dequeues = dequeues
+
+    def removed(self) -> dict[tuple[str, str], set[int]]:
+        """By queue, the messages the follower holds that are gone: dequeued since its end,
+        enqueued before it."""
+        out: dict[tuple[str, str], set[int]] = {}
+        upto = self.end
+        for i, data in enumerate(self.dequeues):
+            if not i % _SLICE:
+                _give_way()
+            vhost, queue, mid = records.read_key(records.payload(data))
+            if mid & records.OFFSET_MASK <= upto:
+                out.setdefault((vhost, queue), set()).add(mid)
+        return out
+
+
+# A brief digest (`BrokerLog.digest`): a list, which a primary that does not read it takes
+# for no digest at all (a full copy).
+RESTARTED = "restarted"
+
+
+def _brief(theirs: Any) -> int | None:
+    """The end of a brief digest's log, or None when `theirs` is not one."""
+    if (
+        isinstance(theirs, list)
+        and len(theirs) == 2
+        and theirs[0] == RESTARTED
+        and isinstance(theirs[1], int)
+        and theirs[1] >= 0
+    ):
+        return theirs[1]
+    return None
+
+
+def _before(mids: list[int], upto: int) -> bool:
+    """True when every one of `mids` was enqueued at or before offset `upto`."""
+    return all(mid & records.OFFSET_MASK <= upto for mid in mids)
 
 
 def _holds(theirs: set[int] | None, mids: list[int]) -> bool:

@@ -42,6 +42,9 @@ TAKES = (APPEND_B, ACK_B)  # the kinds past version 1's first ones that this mem
 APPEND_HEAD = struct.Struct(">QQH")  # epoch, start, the sender's length; then the sender
 ACK_HEAD = struct.Struct(">QQQQH")  # epoch, session, offset, the sender's length; the sender
 CHALLENGE, ANSWER, WELCOME, REFUSE = 10, 11, 12, 13
+# Sent only to a follower whose Hello's digest was brief, which only a member that reads it
+# sends.
+DETAIL = 14
 
 _KINDS: dict[type, int] = {
     core.Hello: HELLO,
@@ -50,6 +53,7 @@ _KINDS: dict[type, int] = {
     core.Ack: ACK,
     core.Rejoin: REJOIN,
     core.Stale: STALE,
+    core.Detail: DETAIL,
 }
 
 
@@ -150,6 +154,8 @@ def _fields(msg: core.PeerMessage) -> tuple[int, dict[str, Any], Sequence[bytes]
         frames = msg.entries
     elif isinstance(msg, core.Ack):
         h.update(session=list(msg.session), offset=msg.offset)
+    elif isinstance(msg, core.Detail):
+        h["session"] = list(msg.session)
     return kind, h, frames
 
 
@@ -278,6 +284,8 @@ def _decode(kind: int, h: dict[str, Any], body: bytes) -> core.PeerMessage:
             return core.Rejoin(sender, epoch)
         if kind == STALE:
             return core.Stale(sender, epoch)
+        if kind == DETAIL:
+            return core.Detail(sender, epoch, _session(h["session"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise WireError(f"bad message of kind {kind}: {exc!r}") from None
     raise WireError(f"unknown message kind {kind}")
