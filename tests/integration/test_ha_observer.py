@@ -133,3 +133,26 @@ async def test_a_member_that_answers_late_is_slow_not_silent(
         assert b.silent_for < settings.failover_delay, f"look {looks}: {b}"
         await asyncio.sleep(0.1)  # the controller's poll interval
     assert answered >= 2, f"{answered} of {looks} looks saw b's answers"
+
+
+@pytest.mark.asyncio
+async def test_an_answer_within_a_longer_failover_delay_is_taken(
+    members: tuple[Members, HttpObserver], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll's answer was taken for 2 s whatever the failover delay: with a delay of 5 s, a
+    member answering every poll in 3 s was silent for the delay and failed over. The answer
+    window follows the delay (here scaled down: answers taken for half of SLOW at least, a
+    member answering in SLOW, a delay of three times that)."""
+    monkeypatch.setattr(ha_http, "ANSWER_SECONDS", SLOW / 2)
+    served, observer = members
+    settings = Settings(failover_delay=3 * SLOW)
+    observer.failover_delay = settings.failover_delay
+    served.script = {"a": ["ok"], "b": ["ok", "slow"]}
+    await observer.observe(RECORD)
+    loop = asyncio.get_running_loop()
+    looks, started = 0, loop.time()
+    while loop.time() - started < 5 * SLOW:
+        b = {m.node: m for m in await observer.observe(RECORD)}["b"]
+        looks += 1
+        assert b.silent_for < settings.failover_delay, f"look {looks}: {b}"
+        await asyncio.sleep(0.1)  # the controller's poll interval

@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 # A look waits this long for the polls it sends; a poll not answered by then goes on, and
 # its answer counts in a later look if it comes within ANSWER_SECONDS.
 LOOK_SECONDS = 0.4
-# How long a poll's answer is still taken: longer than the default failover delay, so that a
-# member answering late because it is busy (every member under a saturating load on two
-# cores) is slow, not silent. Silence is the time since the last answer, whatever this is.
+# How long a poll's answer is still taken, at least: longer than the default failover delay,
+# so that a member answering late because it is busy (every member under a saturating load on
+# two cores) is slow, not silent. A longer delay lengthens it (`HttpObserver.failover_delay`).
+# Silence is the time since the last answer, whatever this is.
 ANSWER_SECONDS = 2.0
 COMMAND_TIMEOUT = 2.0
 RENEW_SECONDS = 1.0
@@ -75,15 +76,17 @@ class HttpObserver:
         self.polls: dict[str, asyncio.Task[None]] = {}  # each member's poll under way
         self.unanswered: set[str] = set()  # members whose last poll got no answer
         self.seen: dict[str, float] = {}  # each member's last answer, as the last look saw it
+        # The controller's, kept up to date by its owner: an answer within it is taken, so a
+        # member answering every poll within the delay is never silent for the delay.
+        self.failover_delay = 0.0
 
     async def _poll(self, proc: Endpoint) -> None:
         if not proc.alive or not proc.admin_address:
             return
         url = f"http://{proc.admin_address}/status?brief=1"
+        timeout = aiohttp.ClientTimeout(total=max(ANSWER_SECONDS, self.failover_delay))
         try:
-            async with self.session.get(
-                url, headers=self.headers, timeout=aiohttp.ClientTimeout(total=ANSWER_SECONDS)
-            ) as resp:
+            async with self.session.get(url, headers=self.headers, timeout=timeout) as resp:
                 if resp.status == 200:
                     answer = await resp.json()
                     NodeStatus.model_validate(answer)  # not the contract: no answer

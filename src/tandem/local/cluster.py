@@ -156,9 +156,9 @@ class LocalCluster:
         supervisor = Supervisor(self.procs, key_file, self.base_config, self._exited)
         async with aiohttp.ClientSession() as session:
             self.session = session
-            observer = FollowingObserver(
-                HttpObserver(self.procs, session, key), self.front, self.procs
-            )
+            polls = HttpObserver(self.procs, session, key)
+            polls.failover_delay = self.settings.failover_delay
+            observer = FollowingObserver(polls, self.front, self.procs)
             self.observer = observer
             self.controller = ha_loop.Controller(
                 "local",

@@ -191,7 +191,8 @@ class ClusterLoop:
         self.diverged: dict[str, str] = {}  # member -> why, as last reported in an Event
         self.refused: str | None = None  # a spec edit not applied (storage), and why
         settings = Settings(failover_delay=spec.failover.delay_seconds, isr_min=spec.isr_min)
-        observer = HttpObserver(pods.by_node, session, key)
+        observer = self.polls = HttpObserver(pods.by_node, session, key)
+        observer.failover_delay = settings.failover_delay
         self.actuator = actuator = HttpActuator(pods.by_node, session, key)
         self.controller = ha_loop.Controller(
             f"{self.namespace}/{self.name}",
@@ -229,6 +230,7 @@ class ClusterLoop:
                 settings.isr_min,
             )
             self.controller.settings = settings
+            self.polls.failover_delay = settings.failover_delay
         self.controller.poll_interval = spec.failover.poll_seconds
 
     async def after_look(self, record: ElectionRecord, members: tuple[Member, ...]) -> None:
