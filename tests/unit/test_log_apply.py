@@ -233,6 +233,57 @@ def test_a_restarted_member_takes_what_it_lacks_from_the_primarys_window(
         assert {m.mid: m.redelivered for m in queues[name].messages} == want
 
 
+def restart_and_rejoin(b: Broker, frames_kept: list[bytes], wire: Wire) -> tuple[Broker, Any]:
+    """A member that restarted from `frames_kept` (its disk), given the difference the
+    primary `b` makes from its brief digest and the frames `wire` shipped."""
+    from tandem.broker.replication.log import BrokerLog
+
+    restarted, restarted_seq = replay(frames_kept)
+    apply.drop_exclusive(restarted)  # as a start does
+    member_log = BrokerLog(restarted, restarted_seq, None)
+    seq = b.journal
+    assert isinstance(seq, Sequencer)
+    primary_log = BrokerLog(b, seq, None)
+    for frame in wire.frames:
+        primary_log.keep(records.head(frame)[2], frame)
+    copy = primary_log.snapshot(member_log.digest(brief=True), member_log.end)
+    assert copy is not None
+    member_log.install(primary_log.boundaries(), primary_log.end, copy.frames())
+    return restarted, member_log
+
+
+def test_a_message_routed_to_two_queues_is_sent_where_the_restarted_log_ended_before_it() -> None:
+    """One message routed to two queues has the id of its first ENQUEUE record; a member's
+    log that ends between the two records (a torn tail cut back) holds it in the first queue
+    only, and the difference sends it to the second."""
+    b, _seq, disk, wire, _now = primary()
+    vh = b.vhost("/")
+    q1, _ = vh.declare_queue("q1", durable=True)
+    q2, _ = vh.declare_queue("q2", durable=True)
+    m = msg(True, 1)
+    q1.enqueue(m)
+    q2.enqueue(m)  # the same message, as routing hands it to each queue
+    assert records.head(disk.frames[-1])[2] == records.head(disk.frames[-2])[2] + 1
+    restarted, _log = restart_and_rejoin(b, disk.frames[:-1], wire)
+    queues = restarted.vhost("/").queues
+    assert [x.mid for x in queues["q1"].messages] == [m.mid]
+    assert [x.mid for x in queues["q2"].messages] == [m.mid]
+
+
+def test_an_exclusive_queue_a_start_dropped_is_sent_whole() -> None:
+    """A start drops the exclusive queues (their connections died with the process) without
+    a record; replicated `all`, such a queue's messages all come from the primary."""
+    b, _seq, disk, wire, _now = primary()
+    owner = object()
+    q, _ = b.vhost("/").declare_queue(
+        "x", durable=True, exclusive_owner=owner, arguments={"x-tandem-replicate": "all"}
+    )
+    q.enqueue(msg(True, 1))
+    q.enqueue(msg(True, 2))
+    restarted, _log = restart_and_rejoin(b, list(disk.frames), wire)
+    assert len(restarted.vhost("/").queues["x"].messages) == 2
+
+
 @settings(max_examples=300, deadline=None)
 @given(ops)
 def test_recovery_holds_the_durable_part(script: list[tuple[Any, ...]]) -> None:

@@ -307,3 +307,43 @@ def test_flow_control_sets_in_past_the_record_bound_of_this_term_and_ends_at_hal
         assert hooks.flows == [True, False, True, False]
 
     asyncio.run(run())
+
+
+def test_a_member_that_was_taking_a_copy_says_its_ids_after_a_restart(tmp_path: Path) -> None:
+    """A copy's first durable record names its end, so a member killed while writing a copy
+    recovers up to that end holding only part of it: it must say its ids, not its log's end
+    (`BrokerLog.digest`, brief). The store is marked while the copy is written, until it is
+    on disk."""
+    from tandem.broker.replication import log as log_mod
+
+    async def run() -> None:
+        a, _to_b, _b = primary_with_follower()
+        copy = a.log.snapshot()
+        assert copy is not None
+
+        def opened() -> tuple[log_mod.BrokerLog, Store]:
+            seq = Sequencer()
+            broker = Broker(seq)
+            store = Store(tmp_path, fsync=False)
+            seq.disk = store
+            store.open(broker, seq, asyncio.get_running_loop())
+            return log_mod.BrokerLog(broker, seq, store), store
+
+        member_log, store = opened()
+        marker = store.dir / log_mod.COPYING
+        member_log.install(a.log.boundaries(), a.log.end, copy.frames())
+        assert marker.exists()
+        await until(lambda: not marker.exists())  # the copy is on disk
+        assert store.synced >= a.log.end
+        store.close()
+        member_log, store = opened()  # a restart that lost nothing else
+        assert member_log.end == a.log.end
+        assert member_log.digest(brief=True) == [log_mod.RESTARTED, a.log.end]
+        store.close()
+        marker.touch()  # as a kill while the copy was written leaves it
+        member_log, store = opened()
+        assert member_log.end == a.log.end and not member_log.whole
+        assert isinstance(member_log.digest(brief=True), dict)  # its ids
+        store.close()
+
+    asyncio.run(run())

@@ -20,6 +20,7 @@ import heapq
 import itertools
 import logging
 import operator
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -37,6 +38,10 @@ log = logging.getLogger(__name__)
 
 WINDOW_BYTES = 64 << 20
 NOT_APPLIED_KEPT = 20
+# In the store's directory while a copy from the primary is written: a member killed before
+# the copy is on disk recovers up to the copy's end but holds only part of it, so it must
+# not say in brief what it holds (`digest`).
+COPYING = "copying"
 # The first frame of a copy that is a difference, not everything.
 DIFF = records.define("", "difference", {})
 _MESSAGE_RECORDS = (records.ENQUEUE, records.DEQUEUE, records.MARK)
@@ -68,7 +73,8 @@ class BrokerLog:
         # messages on replicated queues): it is whole again once it took a full copy.
         # `restarted`: that is all it lost, so it holds exactly what its own durable records
         # say (`digest`), until anything else makes it not whole (`lost`).
-        self._lost = self.restarted = sequencer.offset > 0
+        self._lost = sequencer.offset > 0
+        self.restarted = self._lost and not (store is not None and (store.dir / COPYING).exists())
         self.on_checkpoint: Callable[[int, int, dict[str, Any]], object] = lambda e, o, b: None
         self.on_auth: Callable[[], None] = lambda: None  # users changed: save them
         self.drop_enqueues_to: str | None = None  # a test-only fault (see `drop_enqueues`)
@@ -265,25 +271,31 @@ class BrokerLog:
         ones removed since (the durable DEQUEUE records after `end`). None when that cannot
         be known here: its log went past the point where ours agrees with it, the window no
         longer holds what came after it, or a queue or vhost was deleted since (a queue of
-        the same name may hold other messages now; its DEQUEUE records do not say)."""
+        the same name may hold other messages now; its DEQUEUE records do not say). A
+        message routed to several queues has the id of its first ENQUEUE record: the
+        follower lacks it in the queues whose records came after `end` (its log may end
+        between them), which the ENQUEUE records since say."""
         frames = self.since(end) if agree == end else None
         if frames is None:
             return None
         at = records.REC_HDR.size
         dequeues: list[bytes] = []
+        enqueues: list[bytes] = []
         for data in frames:
             flags = data[at]
             rtype = flags & records.TYPE_MASK
             if rtype == records.DEQUEUE:
                 if flags & records.DURABLE:
                     dequeues.append(data)
+            elif rtype == records.ENQUEUE:
+                enqueues.append(data)
             elif rtype == records.SNAPSHOT:
                 return None
-            elif rtype == records.DEFINE:
+            elif rtype == records.DEFINE and b".delete" in data:
                 op = records.decode_body(records.payload(data)).get("op")
                 if op in ("queue.delete", "vhost.delete"):
                     return None
-        return Restarted(end, dequeues)
+        return Restarted(end, dequeues, enqueues)
 
     # -- what the protocol writes (on a backup) --
 
@@ -443,11 +455,30 @@ class BrokerLog:
         self.installed += 1
         self.lost = False  # unless a record of the copy does not apply
         self.diverged = None
+        self._copying(True)
         if frames and records.payload(frames[0]) == DIFF:
             self._install_difference(boundaries, end, frames[1:])
         else:
             self._install_all(boundaries, end, frames)
+        if self.store is not None:
+            self.store.when_synced(lambda: self._copying(False))
         self.on_auth()
+
+    def _copying(self, on: bool) -> None:
+        """Mark the store as taking a copy (COPYING) until what it wrote is on disk."""
+        store = self.store
+        if store is None or store.closed:
+            return
+        marker = store.dir / COPYING
+        if not on:
+            marker.unlink(missing_ok=True)
+            return
+        marker.touch()
+        fd = os.open(store.dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # on disk before any frame of the copy is
+        finally:
+            os.close(fd)
 
     def _install_difference(
         self, boundaries: core.Boundaries, end: int, frames: list[bytes]
@@ -682,14 +713,23 @@ class Copy:
         read."""
         epoch, end, bounds = self.epoch, self.end, self.bounds
         upto = restarted.end
-        gone = restarted.removed()
+        gone, later = restarted.removed(), restarted.later()
         out = [records.frame(records.DEFINE, epoch, end, DIFF, False), *self.head]
         for vhost, queue, durable_q, messages, outstanding, pages, q in self.queues:
             ours = messages + list(outstanding.values())
+            # Dropped at the follower's start, unrecorded (as RabbitMQ's): none of it held.
+            kept_q = durable_q and q.exclusive_owner is None
+            lacking = later.get((vhost, queue), set())
             for page, kept in pages:
                 _give_way()
                 mids = page.mids()
-                if kept is None and mids is not None and durable_q and _before(mids, upto):
+                if (
+                    kept is None
+                    and mids is not None
+                    and kept_q
+                    and _before(mids, upto)
+                    and lacking.isdisjoint(mids)
+                ):
                     continue  # the follower holds all of it
                 if kept is not None:
                     ours += kept
@@ -702,15 +742,13 @@ class Copy:
                 lacked += [
                     m
                     for m in ours[at : at + _SLICE]
-                    if not (durable_q and m.persistent and m.mid & records.OFFSET_MASK <= upto)
-                    or m.redelivered
-                    or m.mid in outstanding
+                    if not _kept(m, kept_q, upto, lacking) or m.redelivered or m.mid in outstanding
                 ]
             for i, m in enumerate(_by_mid(lacked)):
                 if not i % _SLICE:
                     _give_way()
                 e, o = _position_of(bounds, m.mid, epoch)
-                if not (durable_q and m.persistent and o <= upto):
+                if not _kept(m, kept_q, upto, lacking):
                     payload = records.enqueue(vhost, queue, m)
                     out.append(
                         records.frame(records.ENQUEUE, e, o, payload, m.persistent and durable_q)
@@ -718,7 +756,8 @@ class Copy:
                 if m.redelivered or m.mid in outstanding:
                     key = records.key(vhost, queue, m.mid)
                     out.append(records.frame(records.MARK, e, o, key, False))
-            for mid in sorted(gone.get((vhost, queue), ())) if durable_q else ():
+            removed = gone.get((vhost, queue), set()) - lacking if kept_q else set()
+            for mid in sorted(removed):
                 key = records.key(vhost, queue, mid)
                 out.append(records.frame(records.DEQUEUE, epoch, end, key, True))
         return out
@@ -728,16 +767,26 @@ class Restarted:
     """What a primary knows of a follower that restarted at `end` (`BrokerLog.digest`,
     brief): the durable DEQUEUE records it took since, read on the copy's thread."""
 
-    def __init__(self, end: int, dequeues: list[bytes]) -> None:
+    def __init__(self, end: int, dequeues: list[bytes], enqueues: list[bytes]) -> None:
         self.end = end
         self.dequeues = dequeues
+        self.enqueues = enqueues
 
     def removed(self) -> dict[tuple[str, str], set[int]]:
-        """By queue, the messages the follower holds that are gone: dequeued since its end,
-        enqueued before it."""
+        """By queue, the messages the follower held at its end that are gone since."""
+        return self._before_end(self.dequeues)
+
+    def later(self) -> dict[tuple[str, str], set[int]]:
+        """By queue, the messages with ids from before the follower's end that entered it
+        after: routed to several queues, the follower holds them in the first only."""
+        return self._before_end(self.enqueues)
+
+    def _before_end(self, frames: list[bytes]) -> dict[tuple[str, str], set[int]]:
+        """By queue, the ids up to the follower's end that `frames` (message records)
+        name."""
         out: dict[tuple[str, str], set[int]] = {}
         upto = self.end
-        for i, data in enumerate(self.dequeues):
+        for i, data in enumerate(frames):
             if not i % _SLICE:
                 _give_way()
             vhost, queue, mid = records.read_key(records.payload(data))
@@ -762,6 +811,12 @@ def _brief(theirs: Any) -> int | None:
     ):
         return theirs[1]
     return None
+
+
+def _kept(m: Message, kept_q: bool, upto: int, lacking: set[int]) -> bool:
+    """True when a follower that restarted at `upto` holds `m` (`Copy._restarted_frames`):
+    persistent, in a durable queue its start kept, and enqueued there by then."""
+    return kept_q and m.persistent and m.mid & records.OFFSET_MASK <= upto and m.mid not in lacking
 
 
 def _before(mids: list[int], upto: int) -> bool:
