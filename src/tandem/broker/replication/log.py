@@ -16,6 +16,7 @@ import base64
 import binascii
 import bisect
 import collections
+import functools
 import heapq
 import itertools
 import logging
@@ -651,12 +652,15 @@ class Copy:
         restarted = self.theirs if isinstance(self.theirs, Restarted) else None
         if restarted is not None:
             return self._restarted_frames(restarted)
-        held = _parse_digest(self.theirs)
-        epoch, end, bounds = self.epoch, self.end, self.bounds
-        out = [] if held is None else [records.frame(records.DEFINE, epoch, end, DIFF, False)]
+        digest = _parse_digest(self.theirs)
+        out = (
+            []
+            if digest is None
+            else [records.frame(records.DEFINE, self.epoch, self.end, DIFF, False)]
+        )
         out += self.head
         for vhost, queue, durable_q, messages, outstanding, pages, q in self.queues:
-            theirs_q = None if held is None else held.get((vhost, queue), set())
+            theirs_q = None if digest is None else digest.get((vhost, queue), set())
             ours = messages + list(outstanding.values())
             paged: list[list[int]] = []  # each page's ids
             for page, kept in pages:
@@ -665,11 +669,7 @@ class Copy:
                 if kept is None and mids is not None and _holds(theirs_q, mids):
                     paged.append(mids)  # the follower holds all of it: not read
                     continue
-                if kept is not None:
-                    msgs = kept
-                else:
-                    assert self.store is not None
-                    msgs = self.store.read_copy(page, q)
+                msgs = self._page_messages(page, kept, q)
                 paged.append(mids if mids is not None else [m.mid for m in msgs])
                 ours += msgs
             if theirs_q is not None:  # only what they lack or what carries a mark
@@ -682,17 +682,8 @@ class Copy:
                         if m.mid not in theirs_q or m.redelivered or m.mid in outstanding
                     ]
                 ours = lacked
-            for i, m in enumerate(_by_mid(ours)):
-                if not i % _SLICE:
-                    _give_way()
-                e, o = _position_of(bounds, m.mid, epoch)
-                if theirs_q is None or m.mid not in theirs_q:
-                    durable = m.persistent and durable_q
-                    payload = records.enqueue(vhost, queue, m)
-                    out.append(records.frame(records.ENQUEUE, e, o, payload, durable))
-                if m.redelivered or m.mid in outstanding:
-                    key = records.key(vhost, queue, m.mid)
-                    out.append(records.frame(records.MARK, e, o, key, False))
+            held = None if theirs_q is None else _in(theirs_q)
+            self._message_frames(out, vhost, queue, durable_q, ours, outstanding, held)
             if theirs_q:
                 gone = theirs_q  # read no more: what is left of it is what went
                 for at in range(0, len(messages), _SLICE):
@@ -701,20 +692,60 @@ class Copy:
                 gone.difference_update(outstanding)
                 for mids in paged:
                     gone.difference_update(mids)
-                for mid in sorted(gone):  # consumed since the follower's log ends
-                    key = records.key(vhost, queue, mid)
-                    out.append(records.frame(records.DEQUEUE, epoch, end, key, durable_q))
+                self._dequeue_frames(out, vhost, queue, gone, durable_q)
         return out
+
+    def _page_messages(self, page: Page, kept: list[Message] | None, q: Queue) -> list[Message]:
+        """A captured page's messages: those it held in memory, or read on this thread."""
+        if kept is not None:
+            return kept
+        assert self.store is not None
+        return self.store.read_copy(page, q)
+
+    def _message_frames(
+        self,
+        out: list[bytes],
+        vhost: str,
+        queue: str,
+        durable_q: bool,
+        msgs: list[Message],
+        outstanding: dict[int, Message],
+        held: Callable[[Message], bool] | None,
+    ) -> None:
+        """Append the frames of one queue's `msgs`, in id order: an ENQUEUE at its own
+        position for each the follower does not hold (`held`; None: it holds none), and a
+        MARK for each delivered or redelivered."""
+        epoch, bounds = self.epoch, self.bounds
+        for i, m in enumerate(_by_mid(msgs)):
+            if not i % _SLICE:
+                _give_way()
+            e, o = _position_of(bounds, m.mid, epoch)
+            if held is None or not held(m):
+                payload = records.enqueue(vhost, queue, m)
+                out.append(
+                    records.frame(records.ENQUEUE, e, o, payload, m.persistent and durable_q)
+                )
+            if m.redelivered or m.mid in outstanding:
+                key = records.key(vhost, queue, m.mid)
+                out.append(records.frame(records.MARK, e, o, key, False))
+
+    def _dequeue_frames(
+        self, out: list[bytes], vhost: str, queue: str, mids: set[int], durable_q: bool
+    ) -> None:
+        """Append a DEQUEUE of each of `mids`, which the follower holds and we do not
+        (consumed since its log ends), at the copy's end."""
+        for mid in sorted(mids):
+            key = records.key(vhost, queue, mid)
+            out.append(records.frame(records.DEQUEUE, self.epoch, self.end, key, durable_q))
 
     def _restarted_frames(self, restarted: Restarted) -> list[bytes]:
         """The difference for a follower that restarted at `restarted.end`: it holds the
         persistent messages of durable queues enqueued up to there, less those removed
         since. A page (persistent messages of a durable queue only) it holds whole is not
         read."""
-        epoch, end, bounds = self.epoch, self.end, self.bounds
         upto = restarted.end
         gone, later = restarted.removed(), restarted.later()
-        out = [records.frame(records.DEFINE, epoch, end, DIFF, False), *self.head]
+        out = [records.frame(records.DEFINE, self.epoch, self.end, DIFF, False), *self.head]
         for vhost, queue, durable_q, messages, outstanding, pages, q in self.queues:
             ours = messages + list(outstanding.values())
             # Dropped at the follower's start, unrecorded (as RabbitMQ's): none of it held.
@@ -731,11 +762,7 @@ class Copy:
                     and lacking.isdisjoint(mids)
                 ):
                     continue  # the follower holds all of it
-                if kept is not None:
-                    ours += kept
-                else:
-                    assert self.store is not None
-                    ours += self.store.read_copy(page, q)
+                ours += self._page_messages(page, kept, q)
             lacked: list[Message] = []
             for at in range(0, len(ours), _SLICE):
                 _give_way()
@@ -744,22 +771,11 @@ class Copy:
                     for m in ours[at : at + _SLICE]
                     if not _kept(m, kept_q, upto, lacking) or m.redelivered or m.mid in outstanding
                 ]
-            for i, m in enumerate(_by_mid(lacked)):
-                if not i % _SLICE:
-                    _give_way()
-                e, o = _position_of(bounds, m.mid, epoch)
-                if not _kept(m, kept_q, upto, lacking):
-                    payload = records.enqueue(vhost, queue, m)
-                    out.append(
-                        records.frame(records.ENQUEUE, e, o, payload, m.persistent and durable_q)
-                    )
-                if m.redelivered or m.mid in outstanding:
-                    key = records.key(vhost, queue, m.mid)
-                    out.append(records.frame(records.MARK, e, o, key, False))
-            removed = gone.get((vhost, queue), set()) - lacking if kept_q else set()
-            for mid in sorted(removed):
-                key = records.key(vhost, queue, mid)
-                out.append(records.frame(records.DEQUEUE, epoch, end, key, True))
+            held = functools.partial(_kept, kept_q=kept_q, upto=upto, lacking=lacking)
+            self._message_frames(out, vhost, queue, durable_q, lacked, outstanding, held)
+            if kept_q:  # a durable queue: its DEQUEUE records are durable
+                removed = gone.get((vhost, queue), set()) - lacking
+                self._dequeue_frames(out, vhost, queue, removed, durable_q)
         return out
 
 
@@ -817,6 +833,11 @@ def _kept(m: Message, kept_q: bool, upto: int, lacking: set[int]) -> bool:
     """True when a follower that restarted at `upto` holds `m` (`Copy._restarted_frames`):
     persistent, in a durable queue its start kept, and enqueued there by then."""
     return kept_q and m.persistent and m.mid & records.OFFSET_MASK <= upto and m.mid not in lacking
+
+
+def _in(mids: set[int]) -> Callable[[Message], bool]:
+    """Whether a message is one of `mids` (a follower's digest of a queue)."""
+    return lambda m: m.mid in mids
 
 
 def _before(mids: list[int], upto: int) -> bool:
