@@ -21,7 +21,6 @@ import heapq
 import itertools
 import logging
 import operator
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -33,6 +32,7 @@ from tandem.broker.model.journal import Page, Sequencer
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import Queue
 from tandem.broker.replication import core
+from tandem.broker.store.files import sync_dir
 from tandem.broker.store.log import Store
 
 log = logging.getLogger(__name__)
@@ -475,11 +475,8 @@ class BrokerLog:
             marker.unlink(missing_ok=True)
             return
         marker.touch()
-        fd = os.open(store.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # on disk before any frame of the copy is
-        finally:
-            os.close(fd)
+        if store.fsync:
+            sync_dir(store.dir)  # on disk before any frame of the copy is
 
     def _install_difference(
         self, boundaries: core.Boundaries, end: int, frames: list[bytes]

@@ -20,3 +20,12 @@ def replace_file(path: Path, data: str | bytes, *, durable: bool = False) -> Non
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def sync_dir(path: Path) -> None:
+    """fsync a directory: the files created in, renamed into or deleted from it are on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -68,7 +68,7 @@ from tandem.broker.model.message import Message
 from tandem.broker.model.queue import PAGE_BYTES, Queue
 from tandem.broker.model.records import Corruption
 from tandem.broker.model.shards import Shards, shard_of
-from tandem.broker.store.files import replace_file
+from tandem.broker.store.files import replace_file, sync_dir
 
 log = logging.getLogger(__name__)
 
@@ -868,11 +868,7 @@ class Store:
             fd = os.open(self._path(seg), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             self.fds[seg] = fd
             if self.fsync:
-                dfd = os.open(self.dir, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                sync_dir(self.dir)
         return fd
 
     # -- checkpoints --
