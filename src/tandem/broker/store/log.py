@@ -50,6 +50,7 @@ import asyncio
 import base64
 import binascii
 import collections
+import gc
 import json
 import logging
 import os
@@ -67,13 +68,18 @@ from tandem.broker.model.journal import Page, Sequencer, pack_ids
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import PAGE_BYTES, Queue
 from tandem.broker.model.records import Corruption
-from tandem.broker.model.shards import Shards, shard_of
+from tandem.broker.model.shards import Shards
 from tandem.broker.store.files import replace_file, sync_dir
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str, int]  # (vhost, queue, message id)
 Run = list[tuple[int, int, int, int]]  # messages: (id, place in the log, frame length, body)
+# A head's messages as a checkpoint names them: ids (128 bits: a list), places in the log,
+# frame lengths and bodies' lengths (C arrays). Not a tuple a message, nor lists of all: the
+# cyclic collector walks those, and with a million messages its walks on the checkpoint's
+# thread held the GIL 50-130 ms at a time.
+Columns = tuple[list[int], "array.array[int]", "array.array[int]", "array.array[int]"]
 # Where a record is, one int: its segment number, then its first byte in the segment.
 AT_BITS = 32
 AT_MASK = (1 << AT_BITS) - 1
@@ -887,7 +893,14 @@ class Store:
             return
         self.checkpoint_due = max(self.checkpoint_records, len(self.where) // DUE_SHARE)
         self.checkpoints_made += 1
+        # The capture refers to every live message and index key until its bytes are made,
+        # and a collection meanwhile walked all of it, on the loop: 0.3-0.5 s with a million
+        # messages under load. Frozen at once (a splice of lists), the collector leaves it
+        # be. The young garbage is collected before it is made, not after: that collection
+        # would walk it too. collector.py thaws what is frozen now and then.
+        gc.collect(1)
         state, number, generation = self._captured(), self.checkpoints_made, self.generation
+        gc.freeze()
         loop = self.loop
 
         def write() -> None:
@@ -1402,41 +1415,54 @@ class _Captured:
 
 
 DUE_SHARE = 4  # a checkpoint every at least this share of the messages it names (`write`)
-YIELD_EVERY = 1 << 13  # messages between two turns given to the loop (`_checkpoint_bytes`)
+YIELD_EVERY = 1 << 10  # messages between two turns given to the loop (`_give_way`)
+GIVE_WAY_SECONDS = 0.0001
+
+
+def _give_way() -> None:
+    """Let the loop take the GIL (on the checkpoint's thread). Compiled code never gives it
+    up by itself, and a sleep of no time gave it up only to take it straight back, unless
+    the loop had been waiting a whole switch interval (5 ms) and asked for it: the loop
+    got it once a slice, and, under load on two cores, a primary's answers to its
+    controller came up to 0.95 s late while a checkpoint was made. Asleep for a tenth of a
+    millisecond, the thread leaves the GIL to the loop, if it wants it, at once; that adds
+    a tenth of a second to a checkpoint of a million messages."""
+    time.sleep(GIVE_WAY_SECONDS)
 
 
 def _checkpoint_bytes(state: _Captured) -> bytes:
-    """A checkpoint's bytes, on the writer's thread. Compiled code never gives up the GIL by
-    itself: every YIELD_EVERY messages it sleeps for no time, which hands the loop the GIL
-    if it waits for it."""
+    """A checkpoint's bytes, on the writer's thread: every YIELD_EVERY messages it gives the
+    loop its turn (`_give_way`)."""
     by_queue: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
-    heads, named = _head_runs(state)
-    # The other ids of those queues (named one by one): no head page's range holds one.
-    others: dict[tuple[str, str], list[int]] = {key: [] for key in heads}
-    count = 0
+    # Where the messages of each queue that pages are, by id: its head takes its own
+    # (`_head_runs`), and what is left is named one by one.
+    head_places: dict[tuple[str, str], dict[int, int]] = {key: {} for key, _m in state.heads}
+    current: tuple[str, str] | None = None
+    into: dict[int, int] | None = None
+    rows: tuple[list[int], list[int], list[int]] | None = None
+    seen = 0
     for shard in state.where:
         for (vhost, queue, mid), at in shard.items():
-            mine = named.get((vhost, queue)) if named else None
-            if mine is not None:
-                if mid in mine:
-                    continue  # in a page of its queue's head
-                others[(vhost, queue)].append(mid)
-            held = by_queue.get((vhost, queue))
-            if held is None:
-                held = by_queue[(vhost, queue)] = ([], [], [])
-            held[0].append(records.mid_offset(mid))
-            held[1].append(records.mid_epoch(mid))
-            held[2].append(at)
-            count += 1
-            if count % YIELD_EVERY == 0:
-                time.sleep(0)
-    for key, _pages, only in state.pages:
-        if key in others:
-            for page in only:
-                others[key] += page
-    paged: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]] = [
-        (key, _head_pages(run, sorted(others[key])), []) for key, run in heads.items()
-    ]
+            seen += 1
+            if seen % YIELD_EVERY == 0:
+                _give_way()
+            if current is None or vhost != current[0] or queue != current[1]:
+                current = (vhost, queue)  # the same queue's entries, mostly: one look each
+                into = head_places.get(current)
+                rows = None if into is not None else by_queue.setdefault(current, ([], [], []))
+            if into is not None:
+                into[mid] = at
+            elif rows is not None:
+                rows[0].append(records.mid_offset(mid))
+                rows[1].append(records.mid_epoch(mid))
+                rows[2].append(at)
+    runs = _head_runs(state, head_places)
+    paged: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]] = []
+    for key, run in runs.items():
+        left = head_places[key]  # named one by one, as a page's messages are (`only`)
+        # No head page's range holds an id named one by one, nor one of a page read back.
+        cuts = [*left, *(mid for k, _p, only in state.pages if k == key for p in only for mid in p)]
+        paged.append((key, _head_pages(run, sorted(cuts)), [left]))
     pages: dict[tuple[str, str], list[Any]] = {}
     for key, key_pages, only in [*state.pages, *paged]:
         # A page's ids (a cluster member's) as [epoch, offsets as a C array in base64] pairs.
@@ -1450,6 +1476,9 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
         held = by_queue.setdefault(key, ([], [], []))
         for page in only:  # written as the messages it holds, as it was read
             for mid, at in page.items():
+                seen += 1
+                if seen % YIELD_EVERY == 0:
+                    _give_way()
                 held[0].append(records.mid_offset(mid))
                 held[1].append(records.mid_epoch(mid))
                 held[2].append(at)
@@ -1458,7 +1487,7 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
     head = json.dumps(state.head, separators=(",", ":")).encode()
     parts = [head[:-1], b',"queues":[']
     for i, (key, (offsets, epochs, places)) in enumerate(by_queue.items()):
-        time.sleep(0)
+        _give_way()
         parts += [
             b"," if i else b"",
             b'{"vhost":',
@@ -1472,85 +1501,104 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
             *_packed("L", epochs),
             b'","at":"',
             *_packed("Q", places),
-            b'","pages":',
-            json.dumps(pages.get(key, []), separators=(",", ":")).encode(),
-            b"}",
+            b'","pages":[',
+            *_dumped(pages.get(key, [])),
+            b"]}",
         ]
     parts.append(b"]}")
     text = b"".join(parts)
     return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
 
 
-def _head_runs(state: _Captured) -> tuple[dict[Any, Run], dict[Any, set[int]]]:
+def _dumped(items: list[Any]) -> list[bytes]:
+    """`items` as the parts of a JSON array's inside, one at a time (see `_checkpoint_bytes`):
+    a queue's pages carry their ids in base64, 11 MB with a million messages, which one call
+    of json.dumps scanned holding the GIL for 70 ms."""
+    out = []
+    for i, item in enumerate(items):
+        if i:
+            out.append(b",")
+            _give_way()
+        out.append(json.dumps(item, separators=(",", ":")).encode())
+    return out
+
+
+def _head_runs(state: _Captured, places: dict[Any, dict[int, int]]) -> dict[Any, Columns]:
     """Each queue's head as a checkpoint names it in pages (on the writer's thread): the
-    messages whose ENQUEUE record `where` names and that stay in the log as they are
-    (persistent, no expiration), in the head's order, each with a higher id than the one
-    before (a message requeued out of order is named one by one). Returns them, and their
-    ids by queue."""
-    runs: dict[Any, Run] = {}
-    named: dict[Any, set[int]] = {}
+    messages whose ENQUEUE record `places` names (taken from it) and that stay in the log as
+    they are (persistent, no expiration), in the head's order, each with a higher id than the
+    one before (a message requeued out of order is named one by one)."""
+    runs: dict[Any, Columns] = {}
     for key, msgs in state.heads:
         place = records.place(*key)
-        run: Run = runs.setdefault(key, [])
-        ids = named.setdefault(key, set())
+        mids, ats, lengths, bodies = runs.setdefault(
+            key, ([], array.array("q"), array.array("q"), array.array("q"))
+        )
+        where = places[key]
         last = -1
         for i, m in enumerate(msgs):
             if i % YIELD_EVERY == 0:
-                time.sleep(0)
-            k = (key[0], key[1], m.mid)
-            at = state.where[shard_of(k)].get(k)
-            if at is None or not m.persistent or m.expiration is not None or m.mid <= last:
+                _give_way()
+            if not m.persistent or m.expiration is not None or m.mid <= last:
                 continue
-            run.append((m.mid, at, records.enqueue_size(place, m), m.body_size))
-            ids.add(m.mid)
+            at = where.pop(m.mid, None)
+            if at is None:
+                continue
+            mids.append(m.mid)
+            ats.append(at)
+            lengths.append(records.enqueue_size(place, m))
+            bodies.append(m.body_size)
             last = m.mid
-    return runs, named
+    return runs
 
 
-def _head_pages(run: Run, others: list[int]) -> list[Any]:
+def _head_pages(run: Columns, others: list[int]) -> list[Any]:
     """A head's run as pages, as `_Captured.pages` has them: cut every PAGE_BYTES of bodies
     and wherever one of `others` (the queue's ids named one by one, sorted) falls between
     two of its messages. Each page says exactly which ids it holds (its runs of the log may
     hold records of messages consumed out of order), and no page's range holds an id it
     does not: a start puts pages and messages back in id order."""
+    mids, _ats, _lengths, bodies = run
     entries: list[Any] = []
-    page: Run = []
-    size = j = 0
-    for i, item in enumerate(run):
+    start = size = j = 0
+    for i in range(len(mids)):
         if i % YIELD_EVERY == 0:
-            time.sleep(0)
-        mid = item[0]
+            _give_way()
+        mid = mids[i]
         while j < len(others) and others[j] < mid:
-            if page and others[j] > page[-1][0]:
-                entries.append(_page_entry(page))
-                page, size = [], 0
+            if i > start and others[j] > mids[i - 1]:
+                entries.append(_page_entry(run, start, i))
+                start, size = i, 0
             j += 1
-        page.append(item)
-        size += item[3]
+        size += bodies[i]
         if size >= PAGE_BYTES:
-            entries.append(_page_entry(page))
-            page, size = [], 0
-    if page:
-        entries.append(_page_entry(page))
+            entries.append(_page_entry(run, start, i + 1))
+            start, size = i + 1, 0
+    if start < len(mids):
+        entries.append(_page_entry(run, start, len(mids)))
     return entries
 
 
-def _page_entry(run: Run) -> tuple[Any, ...]:
-    """A page of `run` (id, place, frame length, body length), as `_Captured.pages` has
-    pages: count, body bytes, first and last ids, extents, records per segment, ids."""
-    extents, segs = _extents(run)
-    mids = sorted(mid for mid, *_rest in run)
-    body_bytes = sum(body for *_x, body in run)
-    return (len(run), body_bytes, mids[0], mids[-1], extents, segs, pack_ids(mids))
+def _page_entry(run: Columns, start: int, end: int) -> tuple[Any, ...]:
+    """Messages `start` to `end` of `run` as a page, as `_Captured.pages` has pages: count,
+    body bytes, first and last ids, extents, records per segment, ids."""
+    mids, ats, lengths, bodies = run
+    extents, segs = _spans(list(ats[start:end]), list(lengths[start:end]))
+    ids = sorted(mids[start:end])
+    return (end - start, sum(bodies[start:end]), ids[0], ids[-1], extents, segs, pack_ids(ids))
 
 
 def _extents(run: Run) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
-    """Where the records of `run` (id, place, frame length, body length) are: for each
-    segment, one (segment, first byte, end byte) run of it holding them all, and how many
-    it holds."""
+    """Where the records of `run` (id, place, frame length, body length) are (`_spans`)."""
+    return _spans([at for _m, at, _l, _b in run], [length for _m, _a, length, _b in run])
+
+
+def _spans(ats: list[int], lengths: list[int]) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
+    """Where the records at `ats` of `lengths` are: for each segment, one (segment, first
+    byte, end byte) run of it holding them all, and how many it holds."""
     spans: dict[int, list[int]] = {}
     segs: dict[int, int] = {}
-    for _mid, at, length, _body in run:
+    for at, length in zip(ats, lengths, strict=True):
         seg, pos = at >> AT_BITS, at & AT_MASK
         span = spans.setdefault(seg, [pos, pos + length])
         span[0], span[1] = min(span[0], pos), max(span[1], pos + length)
@@ -1566,7 +1614,7 @@ def _packed(typecode: str, values: Sequence[int]) -> list[bytes]:
     out = []
     for start in range(0, len(values), PACK_EVERY):
         out.append(base64.b64encode(array.array(typecode, values[start : start + PACK_EVERY])))
-        time.sleep(0)
+        _give_way()
     return out
 
 
