@@ -33,7 +33,7 @@ from tandem.broker.model.message import Message
 from tandem.broker.model.queue import Queue
 from tandem.broker.replication import core
 from tandem.broker.store.files import sync_dir
-from tandem.broker.store.log import Store
+from tandem.broker.store.log import Store, give_way
 
 log = logging.getLogger(__name__)
 
@@ -661,7 +661,7 @@ class Copy:
             ours = messages + list(outstanding.values())
             paged: list[list[int]] = []  # each page's ids
             for page, kept in pages:
-                _give_way()
+                give_way()
                 mids = page.mids()
                 if kept is None and mids is not None and _holds(theirs_q, mids):
                     paged.append(mids)  # the follower holds all of it: not read
@@ -672,7 +672,7 @@ class Copy:
             if theirs_q is not None:  # only what they lack or what carries a mark
                 lacked: list[Message] = []
                 for at in range(0, len(ours), _SLICE):
-                    _give_way()
+                    give_way()
                     lacked += [
                         m
                         for m in ours[at : at + _SLICE]
@@ -684,7 +684,7 @@ class Copy:
             if theirs_q:
                 gone = theirs_q  # read no more: what is left of it is what went
                 for at in range(0, len(messages), _SLICE):
-                    _give_way()
+                    give_way()
                     gone.difference_update(map(_MID, messages[at : at + _SLICE]))
                 gone.difference_update(outstanding)
                 for mids in paged:
@@ -715,7 +715,7 @@ class Copy:
         epoch, bounds = self.epoch, self.bounds
         for i, m in enumerate(_by_mid(msgs)):
             if not i % _SLICE:
-                _give_way()
+                give_way()
             e, o = _position_of(bounds, m.mid, epoch)
             if held is None or not held(m):
                 payload = records.enqueue(vhost, queue, m)
@@ -749,7 +749,7 @@ class Copy:
             kept_q = durable_q and q.exclusive_owner is None
             lacking = later.get((vhost, queue), set())
             for page, kept in pages:
-                _give_way()
+                give_way()
                 mids = page.mids()
                 if (
                     kept is None
@@ -762,7 +762,7 @@ class Copy:
                 ours += self._page_messages(page, kept, q)
             lacked: list[Message] = []
             for at in range(0, len(ours), _SLICE):
-                _give_way()
+                give_way()
                 lacked += [
                     m
                     for m in ours[at : at + _SLICE]
@@ -801,7 +801,7 @@ class Restarted:
         upto = self.end
         for i, data in enumerate(frames):
             if not i % _SLICE:
-                _give_way()
+                give_way()
             vhost, queue, mid = records.read_key(records.payload(data))
             if mid & records.OFFSET_MASK <= upto:
                 out.setdefault((vhost, queue), set()).add(mid)
@@ -856,7 +856,7 @@ def _by_mid(messages: list[Message]) -> list[Message]:
     """`messages` in id order, a slice at a time (see _SLICE): a queue's messages usually
     are already, and one sort of a million held the loop a tenth of a second."""
     for at in range(0, len(messages), _SLICE):
-        _give_way()
+        give_way()
         part = messages[at : at + _SLICE + 1]
         if not all(a.mid < b.mid for a, b in itertools.pairwise(part)):
             break
@@ -886,16 +886,8 @@ def _epoch_at(bounds: core.Boundaries, offset: int, default: int) -> int:
 _MID = operator.attrgetter("mid")
 # A copy is made on another thread, and a thread lets the loop run only between bytecodes:
 # a set built from two million ids in one call held the loop 0.2-0.4 s. Such calls take
-# this many at a time, and between them the thread gives the loop its turn (`_give_way`).
+# this many at a time, and between them the thread gives the loop its turn (`give_way`).
 _SLICE = 1 << 16
-
-
-def _give_way() -> None:
-    """Hand the GIL to the loop if it waits for it. Compiled code, which this module is,
-    runs no bytecode, so a thread running it never gives the GIL up by itself: a copy of a
-    million messages held the primary's loop past its controller's delay (docs/failover.md).
-    A sleep of no time releases it."""
-    time.sleep(0)
 
 
 _BIG = array.array("H", [1]).tobytes() == b"\x00\x01"
@@ -943,7 +935,7 @@ def _parse_digest(theirs: Any) -> dict[tuple[str, str], set[int]] | None:
                             offsets.byteswap()
                         high = epoch << records.OFFSET_BITS
                         for at in range(0, len(offsets), _SLICE):  # see _SLICE
-                            _give_way()
+                            give_way()
                             ids.update(map(high.__or__, offsets[at : at + _SLICE]))
                     else:
                         low, high = int(first), int(rest)

@@ -1415,12 +1415,13 @@ class _Captured:
 
 
 DUE_SHARE = 4  # a checkpoint every at least this share of the messages it names (`write`)
-YIELD_EVERY = 1 << 10  # messages between two turns given to the loop (`_give_way`)
+YIELD_EVERY = 1 << 10  # messages between two turns given to the loop (`give_way`)
 GIVE_WAY_SECONDS = 0.0001
 
 
-def _give_way() -> None:
-    """Let the loop take the GIL (on the checkpoint's thread). Compiled code never gives it
+def give_way() -> None:
+    """Let the loop take the GIL, on a thread that works for it (a checkpoint's, a copy's).
+    Compiled code never gives it
     up by itself, and a sleep of no time gave it up only to take it straight back, unless
     the loop had been waiting a whole switch interval (5 ms) and asked for it: the loop
     got it once a slice, and, under load on two cores, a primary's answers to its
@@ -1432,7 +1433,7 @@ def _give_way() -> None:
 
 def _checkpoint_bytes(state: _Captured) -> bytes:
     """A checkpoint's bytes, on the writer's thread: every YIELD_EVERY messages it gives the
-    loop its turn (`_give_way`)."""
+    loop its turn (`give_way`)."""
     by_queue: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
     # Where the messages of each queue that pages are, by id: its head takes its own
     # (`_head_runs`), and what is left is named one by one.
@@ -1445,7 +1446,7 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
         for (vhost, queue, mid), at in shard.items():
             seen += 1
             if seen % YIELD_EVERY == 0:
-                _give_way()
+                give_way()
             if current is None or vhost != current[0] or queue != current[1]:
                 current = (vhost, queue)  # the same queue's entries, mostly: one look each
                 into = head_places.get(current)
@@ -1478,7 +1479,7 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
             for mid, at in page.items():
                 seen += 1
                 if seen % YIELD_EVERY == 0:
-                    _give_way()
+                    give_way()
                 held[0].append(records.mid_offset(mid))
                 held[1].append(records.mid_epoch(mid))
                 held[2].append(at)
@@ -1487,7 +1488,7 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
     head = json.dumps(state.head, separators=(",", ":")).encode()
     parts = [head[:-1], b',"queues":[']
     for i, (key, (offsets, epochs, places)) in enumerate(by_queue.items()):
-        _give_way()
+        give_way()
         parts += [
             b"," if i else b"",
             b'{"vhost":',
@@ -1518,7 +1519,7 @@ def _dumped(items: list[Any]) -> list[bytes]:
     for i, item in enumerate(items):
         if i:
             out.append(b",")
-            _give_way()
+            give_way()
         out.append(json.dumps(item, separators=(",", ":")).encode())
     return out
 
@@ -1538,7 +1539,7 @@ def _head_runs(state: _Captured, places: dict[Any, dict[int, int]]) -> dict[Any,
         last = -1
         for i, m in enumerate(msgs):
             if i % YIELD_EVERY == 0:
-                _give_way()
+                give_way()
             if not m.persistent or m.expiration is not None or m.mid <= last:
                 continue
             at = where.pop(m.mid, None)
@@ -1563,7 +1564,7 @@ def _head_pages(run: Columns, others: list[int]) -> list[Any]:
     start = size = j = 0
     for i in range(len(mids)):
         if i % YIELD_EVERY == 0:
-            _give_way()
+            give_way()
         mid = mids[i]
         while j < len(others) and others[j] < mid:
             if i > start and others[j] > mids[i - 1]:
@@ -1614,7 +1615,7 @@ def _packed(typecode: str, values: Sequence[int]) -> list[bytes]:
     out = []
     for start in range(0, len(values), PACK_EVERY):
         out.append(base64.b64encode(array.array(typecode, values[start : start + PACK_EVERY])))
-        _give_way()
+        give_way()
     return out
 
 
