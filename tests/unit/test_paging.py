@@ -5,6 +5,7 @@ queue's first stays in the log, a page of its own)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import Queue
+from tandem.broker.store import log as log_mod
 from tandem.broker.store.log import Store
 
 PERSISTENT = b"\x10\x00\x02"  # property flags: delivery-mode present; delivery-mode 2
@@ -181,6 +183,27 @@ def test_a_checkpoint_names_a_head_as_pages_of_exactly_its_messages(tmp_path: Pa
     q.add_consumer(taker)
     q.dispatch()
     assert taker.got == [2, 3, 4, 6, 7, 8, 9]
+
+
+def test_a_checkpoint_gives_the_loop_its_turn_in_its_pass_over_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint's bytes are made on the writer's thread, which holds the GIL until it
+    gives way. Its pass over the where index once gave way only for messages named one by
+    one: none when a queue's whole head was named as pages, which held a primary's loop past
+    its controller's delay with a million messages. It gives way every YIELD_EVERY messages,
+    with a sleep that is not of no time (`give_way`)."""
+    count = 10 * log_mod.YIELD_EVERY
+    write_log(tmp_path, declare(), *(enqueue(i) for i in range(1, count + 1)))
+    store, broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=1)
+    assert broker.vhost("/").queues["q"].paged == 0  # all in memory: the head names them all
+    state = store._captured()
+    given: list[float] = []
+    monkeypatch.setattr(time, "sleep", given.append)
+    by_queue, head_places = log_mod._split_where(state)
+    assert not by_queue and len(head_places[("/", "q")]) == count  # all for the head to take
+    assert len(given) == count // log_mod.YIELD_EVERY
+    assert min(given) > 0  # a sleep of no time let the thread take the GIL straight back
 
 
 def test_a_message_named_alone_inside_a_head_keeps_its_place_after_a_start(tmp_path: Path) -> None:

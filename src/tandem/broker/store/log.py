@@ -1434,29 +1434,7 @@ def give_way() -> None:
 def _checkpoint_bytes(state: _Captured) -> bytes:
     """A checkpoint's bytes, on the writer's thread: every YIELD_EVERY messages it gives the
     loop its turn (`give_way`)."""
-    by_queue: dict[tuple[str, str], tuple[list[int], list[int], list[int]]] = {}
-    # Where the messages of each queue that pages are, by id: its head takes its own
-    # (`_head_runs`), and what is left is named one by one.
-    head_places: dict[tuple[str, str], dict[int, int]] = {key: {} for key, _m in state.heads}
-    current: tuple[str, str] | None = None
-    into: dict[int, int] | None = None
-    rows: tuple[list[int], list[int], list[int]] | None = None
-    seen = 0
-    for shard in state.where:
-        for (vhost, queue, mid), at in shard.items():
-            seen += 1
-            if seen % YIELD_EVERY == 0:
-                give_way()
-            if current is None or vhost != current[0] or queue != current[1]:
-                current = (vhost, queue)  # the same queue's entries, mostly: one look each
-                into = head_places.get(current)
-                rows = None if into is not None else by_queue.setdefault(current, ([], [], []))
-            if into is not None:
-                into[mid] = at
-            elif rows is not None:
-                rows[0].append(records.mid_offset(mid))
-                rows[1].append(records.mid_epoch(mid))
-                rows[2].append(at)
+    by_queue, head_places = _split_where(state)
     runs = _head_runs(state, head_places)
     paged: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]] = []
     for key, run in runs.items():
@@ -1465,6 +1443,7 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
         cuts = [*left, *(mid for k, _p, only in state.pages if k == key for p in only for mid in p)]
         paged.append((key, _head_pages(run, sorted(cuts)), [left]))
     pages: dict[tuple[str, str], list[Any]] = {}
+    seen = 0
     for key, key_pages, only in [*state.pages, *paged]:
         # A page's ids (a cluster member's) as [epoch, offsets as a C array in base64] pairs.
         pages.setdefault(key, [])
@@ -1509,6 +1488,39 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
     parts.append(b"]}")
     text = b"".join(parts)
     return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
+
+
+Rows = tuple[list[int], list[int], list[int]]  # messages named one by one: offsets, epochs, places
+
+
+def _split_where(
+    state: _Captured,
+) -> tuple[dict[tuple[str, str], Rows], dict[tuple[str, str], dict[int, int]]]:
+    """The where index's messages by queue: named one by one, or, in a queue that pages,
+    by id with their places, for its head to take (`_head_runs`). It gives way every
+    YIELD_EVERY of them, whichever they are."""
+    by_queue: dict[tuple[str, str], Rows] = {}
+    head_places: dict[tuple[str, str], dict[int, int]] = {key: {} for key, _m in state.heads}
+    current: tuple[str, str] | None = None
+    into: dict[int, int] | None = None
+    rows: Rows | None = None
+    seen = 0
+    for shard in state.where:
+        for (vhost, queue, mid), at in shard.items():
+            seen += 1
+            if seen % YIELD_EVERY == 0:
+                give_way()
+            if current is None or vhost != current[0] or queue != current[1]:
+                current = (vhost, queue)  # the same queue's entries, mostly: one look each
+                into = head_places.get(current)
+                rows = None if into is not None else by_queue.setdefault(current, ([], [], []))
+            if into is not None:
+                into[mid] = at
+            elif rows is not None:
+                rows[0].append(records.mid_offset(mid))
+                rows[1].append(records.mid_epoch(mid))
+                rows[2].append(at)
+    return by_queue, head_places
 
 
 def _dumped(items: list[Any]) -> list[bytes]:
