@@ -193,9 +193,10 @@ def test_a_checkpoint_gives_the_loop_its_turn_in_its_pass_over_the_index(
     one: none when a queue's whole head was named as pages, which held a primary's loop past
     its controller's delay with a million messages. It gives way every YIELD_EVERY messages,
     with a sleep that is not of no time (`give_way`)."""
-    count = 10 * log_mod.YIELD_EVERY
+    count = 3 * log_mod.YIELD_EVERY
     write_log(tmp_path, declare(), *(enqueue(i) for i in range(1, count + 1)))
-    store, broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=1)
+    # No checkpoints: the start would make one on the executor's thread, giving way too.
+    store, broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=0)
     assert broker.vhost("/").queues["q"].paged == 0  # all in memory: the head names them all
     state = store._captured()
     given: list[float] = []
@@ -356,11 +357,34 @@ def test_a_checkpoint_naming_many_messages_waits_for_a_quarter_as_many_records(
     assert len(store.where) == 40  # no budget: every message in memory
     store.checkpoint()  # as the start schedules after replaying more than 4 records
     assert store.checkpoint_due == 10
+    ended(store)
     for i in range(41, 50):
         store.write(records.ENQUEUE, i, enqueue(i), ("/", "q", records.mid(1, i)))
         assert not store.checkpoint_scheduled
     store.write(records.ENQUEUE, 50, enqueue(50), ("/", "q", records.mid(1, 50)))
     assert store.checkpoint_scheduled  # the tenth record since
+
+
+def ended(store: Store) -> None:
+    """The checkpoint being made is written (its executor's future done, on the loop)."""
+    assert store.loop is not None and store.checkpoint_running
+    done: asyncio.Future[None] = store.loop.create_future()
+    done.set_result(None)
+    store._checkpoint_ended(done)
+
+
+def test_a_checkpoint_due_while_one_is_being_made_waits_for_it(tmp_path: Path) -> None:
+    """Two checkpoints made at once share the GIL with the loop and each other: each takes
+    longer, and the one last written falls further behind (a restart replays more). The
+    next waits for the one being made, and is taken as soon as it ends."""
+    write_log(tmp_path, declare(), *[enqueue(i) for i in range(1, 5)])
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=4)
+    store.checkpoint()
+    for i in range(5, 20):
+        store.write(records.ENQUEUE, i, enqueue(i), ("/", "q", records.mid(1, i)))
+    assert store.since_checkpoint >= store.checkpoint_due and not store.checkpoint_scheduled
+    ended(store)
+    assert store.checkpoint_scheduled
 
 
 def test_a_queue_deleted_without_a_record_is_forgotten_by_the_store(tmp_path: Path) -> None:

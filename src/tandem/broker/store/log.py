@@ -199,6 +199,9 @@ class Store:
         # (a lone node's head in memory is some 230,000 messages: nearly every 50,000 still).
         self.checkpoint_due = checkpoint_records
         self.checkpoint_scheduled = False
+        # One is being made: the next waits for it to end. Two at once shared the GIL with
+        # the loop and each other, took longer, and the one written fell further behind.
+        self.checkpoint_running = False
         self.checkpoints_made = 0  # the newest checkpoint written wins, whichever thread ends first
         self.checkpoint_written = 0
         self.pending = _Batch()
@@ -250,10 +253,8 @@ class Store:
         self._append(data)
         if self.checkpoint_records:
             self.since_checkpoint += 1
-            if self.since_checkpoint >= self.checkpoint_due and not self.checkpoint_scheduled:
-                self.checkpoint_scheduled = True
-                assert self.loop is not None
-                self.loop.call_soon(self.checkpoint)  # once the change under way is whole
+            if self.since_checkpoint >= self.checkpoint_due:
+                self._checkpoint_soon()
 
     def forget_queue(self, vhost: str, queue: str) -> None:
         self._forget({(vhost, queue)})
@@ -879,6 +880,19 @@ class Store:
 
     # -- checkpoints --
 
+    def _checkpoint_soon(self) -> None:
+        if not self.checkpoint_scheduled and not self.checkpoint_running:
+            self.checkpoint_scheduled = True
+            assert self.loop is not None
+            self.loop.call_soon(self.checkpoint)  # once the change under way is whole
+
+    def _checkpoint_ended(self, done: asyncio.Future[None]) -> None:
+        self.checkpoint_running = False
+        if not done.cancelled() and done.exception() is not None:
+            log.warning("a checkpoint was not written: %s", done.exception())
+        if self.since_checkpoint >= self.checkpoint_due and not self.closed:
+            self._checkpoint_soon()
+
     def checkpoint(self) -> None:
         """Take a checkpoint of the state now; written once every record it names is on
         disk. What it names is captured here, on the loop, in a few C-speed copies; its bytes
@@ -902,9 +916,11 @@ class Store:
         state, number, generation = self._captured(), self.checkpoints_made, self.generation
         gc.freeze()
         loop = self.loop
+        self.checkpoint_running = True
 
         def write() -> None:
-            loop.run_in_executor(None, self._write_checkpoint, state, number, generation)
+            made = loop.run_in_executor(None, self._write_checkpoint, state, number, generation)
+            made.add_done_callback(self._checkpoint_ended)
 
         self.when_synced(write)
 
@@ -1415,19 +1431,21 @@ class _Captured:
 
 
 DUE_SHARE = 4  # a checkpoint every at least this share of the messages it names (`write`)
-YIELD_EVERY = 1 << 10  # messages between two turns given to the loop (`give_way`)
+# Messages between two turns given to the loop (`give_way`): 8-30 ms of work. Fewer gave
+# the loop more of the GIL and the checkpoint less: with 1,024, a lone node filling 2,000,000
+# messages ran 1.3 times as fast, but the checkpoint written lagged, and a restart after
+# kill -9 replayed more (serving in 2.8-5.1 s, not 1.8; docs/performance.md).
+YIELD_EVERY = 1 << 14
 GIVE_WAY_SECONDS = 0.0001
 
 
 def give_way() -> None:
     """Let the loop take the GIL, on a thread that works for it (a checkpoint's, a copy's).
-    Compiled code never gives it
-    up by itself, and a sleep of no time gave it up only to take it straight back, unless
-    the loop had been waiting a whole switch interval (5 ms) and asked for it: the loop
-    got it once a slice, and, under load on two cores, a primary's answers to its
-    controller came up to 0.95 s late while a checkpoint was made. Asleep for a tenth of a
-    millisecond, the thread leaves the GIL to the loop, if it wants it, at once; that adds
-    a tenth of a second to a checkpoint of a million messages."""
+    Compiled code never gives it up by itself, and a sleep of no time gave it up only to
+    take it straight back, unless the loop had been waiting a whole switch interval (5 ms)
+    and asked for it: under load on two cores, a primary's answers to its controller came
+    up to 0.95 s late while a checkpoint was made. Asleep for a tenth of a millisecond, the
+    thread leaves the GIL to the loop, if it wants it, at once."""
     time.sleep(GIVE_WAY_SECONDS)
 
 
