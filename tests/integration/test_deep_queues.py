@@ -4,6 +4,7 @@ persistent messages after it in the log, read back as the head runs out."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pika
@@ -125,6 +126,19 @@ def recovered(broker: Broker) -> tuple[int, int]:
     return (int(named.group(1)) if named else -1), int(replayed.group(1))
 
 
+def checkpoints_written(broker: Broker) -> int:
+    """`tandem_checkpoint_seconds_count`, once it is above 0 (a checkpoint's file is written
+    on the writer's thread, after the records it names), or 0 after 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        code, text = broker.http("GET", "/metrics")
+        assert code == 200
+        line = next(x for x in text.splitlines() if x.startswith("tandem_checkpoint_seconds_count"))
+        if float(line.split()[-1]) > 0 or time.monotonic() > deadline:
+            return int(float(line.split()[-1]))
+        time.sleep(0.05)  # polling /metrics
+
+
 def test_a_restart_loads_a_checkpoint_and_replays_only_the_log_after_it(broker_factory) -> None:  # type: ignore[no-untyped-def]
     broker = broker_factory(CHECKPOINTS)
     publish_confirmed(broker, "deep", 3000, size=1024)
@@ -138,6 +152,7 @@ def test_a_restart_loads_a_checkpoint_and_replays_only_the_log_after_it(broker_f
     ch.queue_declare("deep", durable=True, passive=True)
     conn.close()
     publish_confirmed(broker, "deep", 20, size=1024)
+    assert checkpoints_written(broker) >= 1  # what an operator sees of them (/metrics)
     broker.kill()
     broker.start()
     named, replayed = recovered(broker)

@@ -368,9 +368,9 @@ def test_a_checkpoint_naming_many_messages_waits_for_a_quarter_as_many_records(
 def ended(store: Store) -> None:
     """The checkpoint being made is written (its executor's future done, on the loop)."""
     assert store.loop is not None and store.checkpoint_running
-    done: asyncio.Future[None] = store.loop.create_future()
-    done.set_result(None)
-    store._checkpoint_ended(done)
+    done: asyncio.Future[bool] = store.loop.create_future()
+    done.set_result(True)
+    store._checkpoint_ended(done, 0.0)
 
 
 def test_a_checkpoint_due_while_one_is_being_made_waits_for_it(tmp_path: Path) -> None:

@@ -89,8 +89,18 @@ FSYNC_SECONDS = Histogram(
 )
 
 
+CHECKPOINT_SECONDS = Histogram(
+    "tandem_checkpoint_seconds",
+    "Time from a checkpoint's capture to its file written: a restart replays the log since the "
+    "last one written",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+    registry=None,
+)
+
+
 def bind_store_metrics(store: Store) -> None:
     store.fsync_seconds = FSYNC_SECONDS.observe
+    store.checkpoint_seconds = CHECKPOINT_SECONDS.observe
 
 
 class NodeCollector:
@@ -225,6 +235,7 @@ def make_app(node: Node) -> web.Application:
     registry = CollectorRegistry()
     registry.register(NodeCollector(node))
     registry.register(FSYNC_SECONDS)
+    registry.register(CHECKPOINT_SECONDS)
     ProcessCollector(registry=registry)  # process_resident_memory_bytes, open fds, CPU
     token = node.cfg.admin_token
 

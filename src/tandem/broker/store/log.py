@@ -218,6 +218,8 @@ class Store:
         self.lock = threading.Lock()
         self.synced_batches = 0
         self.fsync_seconds: Callable[[float], None] = lambda s: None
+        # From a checkpoint's capture to its file written (admin.py's histogram).
+        self.checkpoint_seconds: Callable[[float], None] = lambda s: None
         self.write_recent = INLINE_SECONDS  # moving average; the first batches go to the thread
         self.written_here = 0  # batches written on the loop (`_write_here`)
         self.sizes: dict[int, int] = {}  # bytes of each segment known to be written
@@ -886,10 +888,12 @@ class Store:
             assert self.loop is not None
             self.loop.call_soon(self.checkpoint)  # once the change under way is whole
 
-    def _checkpoint_ended(self, done: asyncio.Future[None]) -> None:
+    def _checkpoint_ended(self, done: asyncio.Future[bool], started: float) -> None:
         self.checkpoint_running = False
         if not done.cancelled() and done.exception() is not None:
             log.warning("a checkpoint was not written: %s", done.exception())
+        elif not done.cancelled() and done.result():
+            self.checkpoint_seconds(time.monotonic() - started)
         if self.since_checkpoint >= self.checkpoint_due and not self.closed:
             self._checkpoint_soon()
 
@@ -912,6 +916,7 @@ class Store:
         # messages under load. Frozen at once (a splice of lists), the collector leaves it
         # be. The young garbage is collected before it is made, not after: that collection
         # would walk it too. collector.py thaws what is frozen now and then.
+        started = time.monotonic()
         gc.collect(1)
         state, number, generation = self._captured(), self.checkpoints_made, self.generation
         gc.freeze()
@@ -920,7 +925,7 @@ class Store:
 
         def write() -> None:
             made = loop.run_in_executor(None, self._write_checkpoint, state, number, generation)
-            made.add_done_callback(self._checkpoint_ended)
+            made.add_done_callback(lambda done: self._checkpoint_ended(done, started))
 
         self.when_synced(write)
 
@@ -968,15 +973,18 @@ class Store:
                         heads.append(((vh.name, q.name), list(q.messages)))
         return _Captured(head, [dict(shard) for shard in self.where.shards], pages, heads)
 
-    def _write_checkpoint(self, state: _Captured, number: int, generation: int) -> None:
+    def _write_checkpoint(self, state: _Captured, number: int, generation: int) -> bool:
+        """Write the checkpoint; False when it is not (stopped, the log reset since, or a
+        newer one written already)."""
         if generation != self.generation or number <= self.checkpoint_written:
-            return
+            return False
         data = _checkpoint_bytes(state)  # without the lock: the writer goes on meanwhile
         with self.lock:
             if self.closed or generation != self.generation or number <= self.checkpoint_written:
-                return  # stopped, the log reset since, or a newer checkpoint written already
+                return False
             replace_file(self.dir / "checkpoint", data, durable=self.fsync)
             self.checkpoint_written = number
+        return True
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
         path = self.dir / "checkpoint"
