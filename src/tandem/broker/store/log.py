@@ -915,7 +915,9 @@ class Store:
         # and a collection meanwhile walked all of it, on the loop: 0.3-0.5 s with a million
         # messages under load. Frozen at once (a splice of lists), the collector leaves it
         # be. The young garbage is collected before it is made, not after: that collection
-        # would walk it too. collector.py thaws what is frozen now and then.
+        # would walk it too. What else lives then is frozen too, as the next full collection
+        # would have frozen it (collector.py), a little earlier: a cycle that dies meanwhile
+        # waits for collector.py's thaw, which comes only once the queues are shallow.
         started = time.monotonic()
         gc.collect(1)
         state, number, generation = self._captured(), self.checkpoints_made, self.generation
@@ -1447,14 +1449,23 @@ YIELD_EVERY = 1 << 14
 GIVE_WAY_SECONDS = 0.0001
 
 
-def give_way() -> None:
-    """Let the loop take the GIL, on a thread that works for it (a checkpoint's, a copy's).
-    Compiled code never gives it up by itself, and a sleep of no time gave it up only to
-    take it straight back, unless the loop had been waiting a whole switch interval (5 ms)
-    and asked for it: under load on two cores, a primary's answers to its controller came
-    up to 0.95 s late while a checkpoint was made. Asleep for a tenth of a millisecond, the
-    thread leaves the GIL to the loop, if it wants it, at once."""
-    time.sleep(GIVE_WAY_SECONDS)
+_owed = 0  # work done since the last turn given, in messages (`give_way`)
+
+
+def give_way(work: int = YIELD_EVERY) -> None:
+    """Count `work` (about as much as that many messages) done on a thread that works for
+    the loop (a checkpoint's, a copy's), and once YIELD_EVERY are done, let the loop take
+    the GIL. Compiled code never gives it up by itself, and a sleep of no time gave it up
+    only to take it straight back, unless the loop had been waiting a whole switch interval
+    (5 ms) and asked for it: under load on two cores, a primary's answers to its controller
+    came up to 0.95 s late while a checkpoint was made. Asleep for a tenth of a millisecond,
+    the thread leaves the GIL to the loop, if it wants it, at once. Counted, not given per
+    queue or page: a sleep each of 10,000 queues doubled a checkpoint's time."""
+    global _owed
+    _owed += work
+    if _owed >= YIELD_EVERY:
+        _owed = 0
+        time.sleep(GIVE_WAY_SECONDS)
 
 
 def _checkpoint_bytes(state: _Captured) -> bytes:
@@ -1462,12 +1473,17 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
     loop its turn (`give_way`)."""
     by_queue, head_places = _split_where(state)
     runs = _head_runs(state, head_places)
+    # No head page's range holds an id named one by one, nor one of a page read back.
+    read_back: dict[tuple[str, str], list[int]] = {}
+    for key, _pages, only in state.pages:
+        if key in runs:
+            read_back.setdefault(key, []).extend(mid for page in only for mid in page)
     paged: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]] = []
     for key, run in runs.items():
         left = head_places[key]  # named one by one, as a page's messages are (`only`)
-        # No head page's range holds an id named one by one, nor one of a page read back.
-        cuts = [*left, *(mid for k, _p, only in state.pages if k == key for p in only for mid in p)]
-        paged.append((key, _head_pages(run, sorted(cuts)), [left]))
+        cuts = sorted([*left, *read_back.get(key, [])])
+        give_way(len(cuts))
+        paged.append((key, _head_pages(run, cuts), [left]))
     pages: dict[tuple[str, str], list[Any]] = {}
     seen = 0
     for key, key_pages, only in [*state.pages, *paged]:
@@ -1493,7 +1509,7 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
     head = json.dumps(state.head, separators=(",", ":")).encode()
     parts = [head[:-1], b',"queues":[']
     for i, (key, (offsets, epochs, places)) in enumerate(by_queue.items()):
-        give_way()
+        give_way(1)
         parts += [
             b"," if i else b"",
             b'{"vhost":',
@@ -1549,16 +1565,17 @@ def _split_where(
     return by_queue, head_places
 
 
-def _dumped(items: list[Any]) -> list[bytes]:
-    """`items` as the parts of a JSON array's inside, one at a time (see `_checkpoint_bytes`):
-    a queue's pages carry their ids in base64, 11 MB with a million messages, which one call
-    of json.dumps scanned holding the GIL for 70 ms."""
+def _dumped(pages: list[Any]) -> list[bytes]:
+    """A queue's `pages` as the parts of a JSON array's inside, a page at a time, each
+    counted as the messages it holds (see `_checkpoint_bytes`): they carry their ids in
+    base64, 11 MB with a million messages, which one call of json.dumps would scan holding
+    the GIL."""
     out = []
-    for i, item in enumerate(items):
+    for i, page in enumerate(pages):
         if i:
             out.append(b",")
-            give_way()
-        out.append(json.dumps(item, separators=(",", ":")).encode())
+        out.append(json.dumps(page, separators=(",", ":")).encode())
+        give_way(int(page[0]))
     return out
 
 
@@ -1575,8 +1592,9 @@ def _head_runs(state: _Captured, places: dict[Any, dict[int, int]]) -> dict[Any,
         )
         where = places[key]
         last = -1
+        give_way(len(msgs) % YIELD_EVERY)  # whole slices, below
         for i, m in enumerate(msgs):
-            if i % YIELD_EVERY == 0:
+            if i % YIELD_EVERY == YIELD_EVERY - 1:
                 give_way()
             if not m.persistent or m.expiration is not None or m.mid <= last:
                 continue
@@ -1600,8 +1618,9 @@ def _head_pages(run: Columns, others: list[int]) -> list[Any]:
     mids, _ats, _lengths, bodies = run
     entries: list[Any] = []
     start = size = j = 0
+    give_way(len(mids) % YIELD_EVERY)  # whole slices, below
     for i in range(len(mids)):
-        if i % YIELD_EVERY == 0:
+        if i % YIELD_EVERY == YIELD_EVERY - 1:
             give_way()
         mid = mids[i]
         while j < len(others) and others[j] < mid:
@@ -1653,7 +1672,7 @@ def _packed(typecode: str, values: Sequence[int]) -> list[bytes]:
     out = []
     for start in range(0, len(values), PACK_EVERY):
         out.append(base64.b64encode(array.array(typecode, values[start : start + PACK_EVERY])))
-        give_way()
+        give_way(min(PACK_EVERY, len(values) - start))
     return out
 
 
