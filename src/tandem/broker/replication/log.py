@@ -661,7 +661,7 @@ class Copy:
             ours = messages + list(outstanding.values())
             paged: list[list[int]] = []  # each page's ids
             for page, kept in pages:
-                give_way()
+                give_way(page.count)
                 mids = page.mids()
                 if kept is None and mids is not None and _holds(theirs_q, mids):
                     paged.append(mids)  # the follower holds all of it: not read
@@ -672,7 +672,7 @@ class Copy:
             if theirs_q is not None:  # only what they lack or what carries a mark
                 lacked: list[Message] = []
                 for at in range(0, len(ours), _SLICE):
-                    give_way()
+                    give_way(min(_SLICE, len(ours) - at))
                     lacked += [
                         m
                         for m in ours[at : at + _SLICE]
@@ -684,7 +684,7 @@ class Copy:
             if theirs_q:
                 gone = theirs_q  # read no more: what is left of it is what went
                 for at in range(0, len(messages), _SLICE):
-                    give_way()
+                    give_way(min(_SLICE, len(messages) - at))
                     gone.difference_update(map(_MID, messages[at : at + _SLICE]))
                 gone.difference_update(outstanding)
                 for mids in paged:
@@ -715,7 +715,7 @@ class Copy:
         epoch, bounds = self.epoch, self.bounds
         for i, m in enumerate(_by_mid(msgs)):
             if not i % _SLICE:
-                give_way()
+                give_way(min(_SLICE, len(msgs) - i))
             e, o = _position_of(bounds, m.mid, epoch)
             if held is None or not held(m):
                 payload = records.enqueue(vhost, queue, m)
@@ -749,7 +749,7 @@ class Copy:
             kept_q = durable_q and q.exclusive_owner is None
             lacking = later.get((vhost, queue), set())
             for page, kept in pages:
-                give_way()
+                give_way(page.count)
                 mids = page.mids()
                 if (
                     kept is None
@@ -762,7 +762,7 @@ class Copy:
                 ours += self._page_messages(page, kept, q)
             lacked: list[Message] = []
             for at in range(0, len(ours), _SLICE):
-                give_way()
+                give_way(min(_SLICE, len(ours) - at))
                 lacked += [
                     m
                     for m in ours[at : at + _SLICE]
@@ -801,7 +801,7 @@ class Restarted:
         upto = self.end
         for i, data in enumerate(frames):
             if not i % _SLICE:
-                give_way()
+                give_way(min(_SLICE, len(frames) - i))
             vhost, queue, mid = records.read_key(records.payload(data))
             if mid & records.OFFSET_MASK <= upto:
                 out.setdefault((vhost, queue), set()).add(mid)
@@ -856,7 +856,7 @@ def _by_mid(messages: list[Message]) -> list[Message]:
     """`messages` in id order, a slice at a time (see _SLICE): a queue's messages usually
     are already, and one sort of a million held the loop a tenth of a second."""
     for at in range(0, len(messages), _SLICE):
-        give_way()
+        give_way(min(_SLICE, len(messages) - at))
         part = messages[at : at + _SLICE + 1]
         if not all(a.mid < b.mid for a, b in itertools.pairwise(part)):
             break
@@ -886,7 +886,8 @@ def _epoch_at(bounds: core.Boundaries, offset: int, default: int) -> int:
 _MID = operator.attrgetter("mid")
 # A copy is made on another thread, and a thread lets the loop run only between bytecodes:
 # a set built from two million ids in one call held the loop 0.2-0.4 s. Such calls take
-# this many at a time, and between them the thread gives the loop its turn (`give_way`).
+# this many at a time, and between them the thread gives the loop its turn (`give_way`,
+# which counts the work: a queue or page of a few messages is not a turn of its own).
 _SLICE = 1 << 16
 
 
@@ -935,7 +936,7 @@ def _parse_digest(theirs: Any) -> dict[tuple[str, str], set[int]] | None:
                             offsets.byteswap()
                         high = epoch << records.OFFSET_BITS
                         for at in range(0, len(offsets), _SLICE):  # see _SLICE
-                            give_way()
+                            give_way(min(_SLICE, len(offsets) - at))
                             ids.update(map(high.__or__, offsets[at : at + _SLICE]))
                     else:
                         low, high = int(first), int(rest)
