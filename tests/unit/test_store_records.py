@@ -36,6 +36,18 @@ def test_torn_tail_is_reported() -> None:
     assert torn and end == len(good) and corrupt == []
 
 
+def test_zeros_after_the_records_are_their_end_not_a_tail() -> None:
+    """A segment's space allocated ahead and never written reads as zeros: the end of the
+    log, not a torn tail. A record cut short before them is still one."""
+    good = records.frame(records.DEFINE, 1, 1, b"ok")
+    found, end, corrupt, torn = records.scan(good + bytes(4096))
+    assert [r[2] for r in found] == [1]
+    assert (end, corrupt, torn) == (len(good), [], False)
+    cut = records.frame(records.DEFINE, 1, 2, b"cut short")[:-3]
+    found, end, corrupt, torn = records.scan(good + cut + bytes(4096))
+    assert [r[2] for r in found] == [1] and torn and end == len(good)
+
+
 def test_corruption_in_the_middle_is_skipped_and_named() -> None:
     a = records.frame(records.DEFINE, 1, 1, b"first")
     b = bytearray(records.frame(records.DEFINE, 1, 2, b"second"))

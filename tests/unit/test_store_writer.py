@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -166,3 +167,46 @@ def test_a_batch_waits_for_the_thread_while_a_checkpoint_holds_the_log(tmp_path:
 
     with_store(tmp_path, body)
     assert on_disk(tmp_path) == ["a"]
+
+
+def test_a_segment_is_allocated_ahead_and_its_zeros_are_no_tail(tmp_path: Path) -> None:
+    """The segment being written has its space allocated ahead (`Store._allocate`), so a
+    write leaves its size as it is. A start after a crash takes the zeros after the last
+    record for the log's end, says nothing of a torn tail and cuts them off; a stop cuts
+    them off itself."""
+    crashed = tmp_path / "crashed"
+    size = {}
+
+    async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
+        broker.add_vhost("/")
+        for name in ("a", "b"):
+            await declared(broker, seq, name)
+        (seg,) = store.dir.glob("*.seg")
+        stat = seg.stat()
+        assert stat.st_size == store.segment_bytes and stat.st_blocks * 512 >= stat.st_size
+        size["written"] = store.sizes[int(seg.stem)]
+        assert 0 < size["written"] < store.segment_bytes
+        shutil.copytree(tmp_path / "log", crashed / "log")  # as kill -9 leaves it
+        await declared(broker, seq, "c")
+
+    with_store(tmp_path, body)
+    (seg,) = (tmp_path / "log").glob("*.seg")
+    assert size["written"] < seg.stat().st_size < store_log.Store(tmp_path).segment_bytes
+
+    async def recover() -> None:
+        seq = Sequencer()
+        broker = Broker(seq)
+        store = Store(crashed, fsync=False)
+        seq.disk = store
+        result = store.open(broker, seq, asyncio.get_running_loop())
+        try:
+            assert sorted(broker.vhost("/").queues) == ["a", "b"]
+            assert result.truncated == [] and result.corrupt == []
+            (seg,) = store.dir.glob("*.seg")
+            assert seg.stat().st_size == size["written"]  # cut off: no zeros before new records
+            await declared(broker, seq, "d")
+        finally:
+            store.close()
+
+    asyncio.run(recover())
+    assert on_disk(crashed) == ["a", "b", "d"]

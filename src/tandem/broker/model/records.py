@@ -148,10 +148,11 @@ def scan(
 ) -> tuple[list[Scanned], int, list[Corruption], bool]:
     """Read the frames in `data`, in order.
 
-    Returns the records, the byte length of the good data before anything skipped or cut, the
-    corrupt spots, and whether the data ends in a torn tail (a record cut short that no valid
-    record follows). A corrupt spot followed by a valid record is skipped and named, unless
-    `stop_at_corrupt`, when reading stops there. `positions` gets each record's first byte.
+    Returns the records, the end of the last one, the corrupt spots, and whether the data
+    ends in a torn tail (a record cut short that no valid record follows). A corrupt spot
+    followed by a valid record is skipped and named, unless `stop_at_corrupt`, when reading
+    stops there. Zeros to the end are the end, not a tail: a segment's space allocated ahead
+    of its records (`Store._fd`). `positions` gets each record's first byte.
     """
     records: list[Scanned] = []
     corrupt: list[Corruption] = []
@@ -169,6 +170,8 @@ def scan(
                 positions.append(pos)
             pos = good_end = end
             continue
+        if data.count(0, pos) == n - pos:  # never written (a zero is no frame's first byte)
+            return records, good_end, corrupt, False
         nxt = _next_valid(data, pos + 1)
         if nxt is None:
             return records, good_end, corrupt, True

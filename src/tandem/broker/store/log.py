@@ -50,6 +50,7 @@ import asyncio
 import base64
 import binascii
 import collections
+import contextlib
 import gc
 import json
 import logging
@@ -223,6 +224,7 @@ class Store:
         self.write_recent = INLINE_SECONDS  # moving average; the first batches go to the thread
         self.written_here = 0  # batches written on the loop (`_write_here`)
         self.sizes: dict[int, int] = {}  # bytes of each segment known to be written
+        self.allocate_failed = False  # said once (`_allocate`)
         self.grouped: collections.deque[int] = collections.deque()  # replay: records' places
         self.recovering = False
         self.generation = 0
@@ -768,7 +770,7 @@ class Store:
         written = time.perf_counter()
         if self.fsync:
             for fd in touched.values():
-                os.fsync(fd)
+                _datasync(fd)  # the space is allocated (`_allocate`): the data is what changed
         end = time.perf_counter()
         took = (end - start, end - written) if touched else None
         for seg, parts in groups.items():
@@ -872,13 +874,36 @@ class Store:
         return self.dir / f"{seg:020d}.seg"
 
     def _fd(self, seg: int) -> int:
+        """Segment `seg` open for writing after its last record, with its space up to
+        `segment_bytes` allocated ahead (`_allocate`); under the lock."""
         fd = self.fds.get(seg)
         if fd is None:
-            fd = os.open(self._path(seg), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(self._path(seg), os.O_WRONLY | os.O_CREAT, 0o644)
             self.fds[seg] = fd
+            end = self.sizes.get(seg, 0)
+            self._allocate(fd, end)
+            os.lseek(fd, end, os.SEEK_SET)
             if self.fsync:
                 sync_dir(self.dir)
         return fd
+
+    def _allocate(self, fd: int, end: int) -> None:
+        """Allocate the segment's space after `end` ahead of its records, as etcd's WAL does:
+        a write into space already allocated leaves the file's size as it is, so
+        `fdatasync` mostly flushes the data alone, where each append's sync wrote the inode
+        too (ext4: a publisher waiting for each confirm, 3 members, 0.93 ms a message against
+        1.01). A start after a crash reads the zeros left as the log's end (`records.scan`)
+        and cuts them off; a stop cuts them off itself (`close`). Where the file system
+        cannot, the segment grows as it is written, as before."""
+        if end >= self.segment_bytes or not hasattr(os, "posix_fallocate"):
+            return
+        try:
+            os.posix_fallocate(fd, end, self.segment_bytes - end)
+        except OSError as exc:
+            os.ftruncate(fd, end)  # whatever it allocated before failing
+            if not self.allocate_failed:
+                self.allocate_failed = True
+                log.info("segments are not allocated ahead in %s: %s", self.dir, exc)
 
     # -- checkpoints --
 
@@ -1211,10 +1236,12 @@ class Store:
                     self.sizes[seg] = path.stat().st_size
                     continue
                 base = resume_pos if seg == resume_seg else 0
-                data = path.read_bytes()
+                with open(path, "rb") as f:
+                    f.seek(base)
+                    data = f.read()
                 positions: list[int] = []
                 found, good_end, corrupt, torn = records.scan(
-                    data[base:] if base else data, str(path), stop_at_corrupt, positions
+                    data, str(path), stop_at_corrupt, positions
                 )
                 if base:
                     positions = [base + p for p in positions]
@@ -1223,6 +1250,8 @@ class Store:
                         c.offset += base
                 if torn or (stop_at_corrupt and corrupt):
                     self._cut(path, good_end, result, "torn tail" if torn else "corrupt part")
+                elif good_end < base + len(data):  # zeros: allocated ahead, never written
+                    os.truncate(path, good_end)
                 # What a page made while replaying reads back is on disk already.
                 self.sizes[seg] = path.stat().st_size
                 for c in corrupt:
@@ -1411,7 +1440,9 @@ class Store:
             self.lazy.cancel()
         with self.lock:
             self.closed = True
-            for fd in self.fds.values():
+            for seg, fd in self.fds.items():
+                with contextlib.suppress(OSError):  # the space allocated ahead (`_allocate`)
+                    os.ftruncate(fd, self.sizes.get(seg, 0))
                 os.close(fd)
             self.fds.clear()
 
@@ -1683,6 +1714,7 @@ def _unpacked(typecode: str, text: str) -> array.array[int]:
 
 
 IOV_MAX = 1024  # what Linux takes in one writev
+_datasync: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
 
 def _write_all(fd: int, parts: list[bytes]) -> None:
