@@ -17,18 +17,23 @@ import pytest
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.store import log as store_log
-from tandem.broker.store.log import Store
+from tandem.broker.store.log import Recovered, Store
 
 Body = Callable[[Store, Broker, Sequencer], Awaitable[None]]
 
 
-def with_store(tmp_path: Path, body: Body) -> None:
+def with_store(tmp_path: Path, body: Body, recovered: list[Recovered] | None = None) -> None:
+    """Run `body` on a store opened on `tmp_path`; what the start recovered goes to
+    `recovered`."""
+
     async def run() -> None:
         seq = Sequencer()
         broker = Broker(seq)
         store = Store(tmp_path, fsync=False)
         seq.disk = store
-        store.open(broker, seq, asyncio.get_running_loop())
+        result = store.open(broker, seq, asyncio.get_running_loop())
+        if recovered is not None:
+            recovered.append(result)
         try:
             await body(store, broker, seq)
         finally:
@@ -193,20 +198,13 @@ def test_a_segment_is_allocated_ahead_and_its_zeros_are_no_tail(tmp_path: Path) 
     (seg,) = (tmp_path / "log").glob("*.seg")
     assert size["written"] < seg.stat().st_size < store_log.Store(tmp_path).segment_bytes
 
-    async def recover() -> None:
-        seq = Sequencer()
-        broker = Broker(seq)
-        store = Store(crashed, fsync=False)
-        seq.disk = store
-        result = store.open(broker, seq, asyncio.get_running_loop())
-        try:
-            assert sorted(broker.vhost("/").queues) == ["a", "b"]
-            assert result.truncated == [] and result.corrupt == []
-            (seg,) = store.dir.glob("*.seg")
-            assert seg.stat().st_size == size["written"]  # cut off: no zeros before new records
-            await declared(broker, seq, "d")
-        finally:
-            store.close()
+    async def recover(store: Store, broker: Broker, seq: Sequencer) -> None:
+        assert sorted(broker.vhost("/").queues) == ["a", "b"]
+        (seg,) = store.dir.glob("*.seg")
+        assert seg.stat().st_size == size["written"]  # cut off: no zeros before new records
+        await declared(broker, seq, "d")
 
-    asyncio.run(recover())
+    recovered: list[Recovered] = []
+    with_store(crashed, recover, recovered)
+    assert recovered[0].truncated == [] and recovered[0].corrupt == []
     assert on_disk(crashed) == ["a", "b", "d"]
