@@ -241,6 +241,27 @@ def test_a_start_with_no_budget_reads_a_checkpoints_pages_back(tmp_path: Path) -
     assert bodies(q) == list(range(2, 10))
 
 
+def test_a_checkpoint_whose_last_record_is_not_on_disk_is_not_used(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A segment's size says nothing of its records (its space is allocated ahead): a
+    checkpoint is used only if the record it says ends at its resume point is there, whole.
+    Here the last record's bytes read as zeros, as a write the disk lost would: the whole log
+    is replayed, and the message is not named by a checkpoint that cannot be read back."""
+    seg = write_log(tmp_path, declare(), *(enqueue(i) for i in range(2, 6)))
+    store, _broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1)
+    assert store.last_at == seg.stat().st_size - len(enqueue(5))
+    store._write_checkpoint(store._captured(), 1, store.generation)
+    store.close()
+    with open(seg, "r+b") as f:
+        f.seek(store.last_at)
+        f.write(bytes(len(enqueue(5))))
+    store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1)
+    assert "no record ends at its resume point" in caplog.text
+    assert bodies(broker.vhost("/").queues["q"]) == [2, 3, 4]
+    assert store.last_at == seg.stat().st_size - len(enqueue(4))
+
+
 def test_compaction_leaves_an_oldest_segment_whose_live_messages_are_being_consumed(
     tmp_path: Path,
 ) -> None:

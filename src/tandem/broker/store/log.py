@@ -39,8 +39,8 @@ loads it, leaves the messages it names in the log as pages of exactly those mess
 point, so that a restart does not take longer as the log grows. Everything the
 checkpoint names is at or before the resume point; what is gone from the log since (a segment
 compaction deleted) was consumed or carried forward after it, which the replay applies. A
-checkpoint that is unreadable, or whose resume point is gone from the log, is not used: the
-whole log is replayed, as without one.
+checkpoint that is unreadable, or whose resume point is not the end of a whole record on disk
+(`_ends_at`), is not used: the whole log is replayed, as without one.
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ class Store:
         self.segments: collections.OrderedDict[int, int] = collections.OrderedDict()  # live
         self.active = 0  # number of the active segment
         self.active_size = 0
+        self.last_at = -1  # where the active segment's last record begins; -1: not known
         # Each live message in memory -> where its ENQUEUE record is (AT_BITS); a paged one
         # is its page's instead.
         self.where: Shards[Key, int] = Shards()  # model/shards.py: millions, at times
@@ -480,6 +481,7 @@ class Store:
         self.active += 1
         self.segments[self.active] = 0
         self.active_size = 0
+        self.last_at = -1
 
     def set_boundaries(self, boundaries: list[tuple[int, int]]) -> None:
         """The log's epochs are now these (a backup took a difference from its primary)."""
@@ -502,6 +504,7 @@ class Store:
     def _append(self, data: bytes) -> None:
         self.pending.chunks.append((self.active, data))
         self.pending.size += len(data)
+        self.last_at = self.active_size
         self.active_size += len(data)
         self._schedule()
         if self.active_size >= self.segment_bytes and not records.continues(data):
@@ -528,6 +531,7 @@ class Store:
         snapshot = records.encode_body(body)
         data = records.frame(records.SNAPSHOT, epoch, self.handed, snapshot)
         self.pending.chunks.append((self.active, data))
+        self.last_at = 0
         self.active_size += len(data)
 
     def _compact(self) -> None:
@@ -879,12 +883,16 @@ class Store:
         fd = self.fds.get(seg)
         if fd is None:
             fd = os.open(self._path(seg), os.O_WRONLY | os.O_CREAT, 0o644)
+            try:  # kept only once it is where the next record goes, and its entry on disk
+                end = self.sizes.get(seg, 0)
+                os.lseek(fd, end, os.SEEK_SET)
+                self._allocate(fd, end)
+                if self.fsync:
+                    sync_dir(self.dir)
+            except BaseException:
+                os.close(fd)
+                raise
             self.fds[seg] = fd
-            end = self.sizes.get(seg, 0)
-            self._allocate(fd, end)
-            os.lseek(fd, end, os.SEEK_SET)
-            if self.fsync:
-                sync_dir(self.dir)
         return fd
 
     def _allocate(self, fd: int, end: int) -> None:
@@ -984,6 +992,7 @@ class Store:
             "offset": sequencer.offset,
             "boundaries": [*sequencer.boundaries],
             "resume": [self.active, self.active_size],
+            "last": self.last_at,  # the record that ends at the resume point (`_ends_at`)
             "definitions": base64.b64encode(
                 records.encode_body(apply.durable_definitions(self.broker))
             ).decode(),
@@ -1040,10 +1049,29 @@ class Store:
             seg, pos = body["resume"]
             if not self._path(seg).exists() or self._path(seg).stat().st_size < pos:
                 raise ValueError(f"its resume point, segment {seg} byte {pos}, is gone")
+            last = body.get("last", -1)  # checkpoints before 2026-11-28 do not say
+            if pos and last >= 0 and not self._ends_at(seg, last, pos):
+                raise ValueError(f"no record ends at its resume point, segment {seg} byte {pos}")
         except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
             log.warning("checkpoint %s not used (%s): replaying the whole log", path, exc)
             return None
         return body
+
+    def _ends_at(self, seg: int, at: int, end: int) -> bool:
+        """Whether the record at byte `at` of segment `seg` is whole and ends at `end`. A
+        segment's size cannot say that the records a checkpoint names are there: its space
+        is allocated ahead (`_allocate`), and lost writes would read as zeros."""
+        if not 0 <= at < end:
+            return False
+        fd = os.open(self._path(seg), os.O_RDONLY)
+        try:
+            data = os.pread(fd, end - at, at)
+        finally:
+            os.close(fd)
+        if records.problem_at(data, 0) is not None:
+            return False
+        length: int = records.REC_HDR.unpack_from(data, 0)[1]
+        return records.REC_HDR.size + length == len(data)
 
     def _load_checkpoint(
         self,
@@ -1219,6 +1247,7 @@ class Store:
         sequencer.applying = self.recovering = True
         try:
             resume_seg = resume_pos = 0
+            lasts: dict[int, int] = {}  # where each segment's last record begins, if known
             if checkpoint is not None:
                 for path in paths:  # the records it names are on disk
                     self.sizes[int(path.stem)] = path.stat().st_size
@@ -1227,6 +1256,7 @@ class Store:
                         checkpoint, broker, sequencer, result, stop_at_corrupt
                     )
                     resume_seg, resume_pos = checkpoint["resume"]
+                    lasts[resume_seg] = checkpoint.get("last", -1)
                 except apply.NotApplied as exc:
                     log.error("checkpoint not applied (%s): replaying the whole log", exc)
             for i, path in enumerate(paths):
@@ -1263,11 +1293,14 @@ class Store:
                         log.error("corrupt record in the log, skipped: %s", c)
                 result.corrupt.extend(corrupt)
                 self._replay(broker, sequencer, seg, found, positions, result, grouper)
+                if positions:
+                    lasts[seg] = positions[-1]
                 if grouper.pending and i == len(paths) - 1:
                     # A transaction cut short by a crash: none of it happened.
                     size = sum(records.HEADER + len(r[3]) for r in grouper.pending)
                     self._cut(path, good_end - size, result, "unfinished transaction")
                     grouper.pending = []
+                    lasts[seg] = -1  # somewhere before the transaction
                     self.grouped.clear()
                 if stop_at_corrupt and corrupt:
                     for later in paths[i + 1 :]:
@@ -1316,6 +1349,7 @@ class Store:
         if self.segments:
             self.active = next(reversed(self.segments))
             self.active_size = self.sizes.get(self.active, 0)
+            self.last_at = lasts.get(self.active, -1) if self.active_size else -1
         else:
             self.active = 1
             self.segments[self.active] = 0
