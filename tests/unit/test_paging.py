@@ -262,6 +262,21 @@ def test_a_checkpoint_whose_last_record_is_not_on_disk_is_not_used(
     assert store.last_at == seg.stat().st_size - len(enqueue(4))
 
 
+def test_a_message_of_zeros_longer_than_a_read_comes_back_whole(tmp_path: Path) -> None:
+    """A start reads a segment whose end is zeros (space allocated ahead, after kill -9)
+    until the first chunk of zeros. A body of zeros longer than a chunk looks like one: the
+    record runs on past where the reading stopped, and the segment is read again whole."""
+    body = bytes(3 * log_mod.READ_CHUNK)
+    m = Message("", "q", b"\x00\x01q", PERSISTENT, body, len(body))
+    m.mid = records.mid(1, 2)
+    zeros = records.frame(records.ENQUEUE, 1, 2, records.enqueue("/", "q", m))
+    seg = write_log(tmp_path, declare(), zeros, enqueue(3), bytes(2 * log_mod.READ_CHUNK))
+    _store, broker = recover(tmp_path, page_bytes=0)
+    q = broker.vhost("/").queues["q"]
+    assert [len(m.body_bytes()) for m in q.all_ready()] == [len(body), 16]
+    assert seg.stat().st_size == len(declare() + zeros + enqueue(3))  # the zeros after: cut
+
+
 def test_compaction_leaves_an_oldest_segment_whose_live_messages_are_being_consumed(
     tmp_path: Path,
 ) -> None:
