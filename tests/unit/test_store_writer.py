@@ -154,6 +154,44 @@ def test_after_a_failed_write_the_log_is_tried_again_on_the_thread(
     assert on_disk(tmp_path) == ["a", "b", "c"]
 
 
+def test_a_batch_that_failed_for_a_log_reset_since_is_not_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed batch is tried again, unless the log it was for started over meanwhile (a
+    backup took a full copy): its records would go into a segment of the old log, which
+    the next start would replay before the new one's."""
+    real = os.writev
+
+    async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
+        loop = asyncio.get_running_loop()
+        broker.add_vhost("/")
+        await declared(broker, seq, "a")
+        store.write_recent = 1.0  # on the thread: the reset comes before the failure's news
+        reset = loop.create_future()
+
+        def start_over() -> None:
+            store.reset([(1, 1)])
+            seq.reset(((1, 1),), 1)
+            reset.set_result(None)
+
+        def full(fd: int, buffers: list[memoryview]) -> int:
+            monkeypatch.setattr(os, "writev", real)
+            loop.call_soon_threadsafe(start_over)  # runs before the batch's callback
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "writev", full)
+        broker.vhost("/").declare_queue("b", durable=True)  # its batch fails
+        store.soon()
+        await reset
+        broker.vhost("/").declare_queue("c", durable=True)  # the new log's first record
+        done = loop.create_future()
+        seq.when_done(lambda: done.set_result(None))
+        await done
+
+    with_store(tmp_path, body)
+    assert on_disk(tmp_path) == ["c"]
+
+
 def test_a_batch_waits_for_the_thread_while_a_checkpoint_holds_the_log(tmp_path: Path) -> None:
     async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
         broker.add_vhost("/")

@@ -814,12 +814,15 @@ class Store:
             self.write_error = exc if isinstance(exc, OSError) else OSError(str(exc))
             self.on_write_error(self.write_error)
             self.write_recent = float("inf")  # tried again on the thread, never on the loop
-            # Keep the batch: it goes first when the writer tries again.
+            # Keep the batch: it goes first when the writer tries again. Not the records of a
+            # log that started over since (a backup took a copy): they would go into a
+            # segment of the old log, which a start replays before the new one's.
             assert self.loop is not None
-            self.pending.chunks[:0] = self._unwritten(batch)
+            if batch.generation == self.generation:
+                self.pending.chunks[:0] = self._unwritten(batch)
+                self.pending.deletes[:0] = batch.deletes
+                self.pending.epochs[:0] = batch.epochs
             self.pending.callbacks[:0] = batch.callbacks
-            self.pending.deletes[:0] = batch.deletes
-            self.pending.epochs[:0] = batch.epochs
             self.inflight = None
             self.loop.call_later(1.0, self._retry)
             return
