@@ -25,7 +25,7 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import google_crc32c
 from pamqp import decode as amqp_decode
@@ -33,32 +33,33 @@ from pamqp import encode as amqp_encode
 
 from tandem.broker.model.message import Message
 
-MAGIC = b"TC"  # a record checksummed with CRC-32C
-MAGIC_CRC32 = b"TL"  # ... with zlib's CRC-32 (before 2026-11-28, or no C extension)
-CRC32C_IN_C = google_crc32c.implementation == "c"
-WRITTEN = MAGIC if CRC32C_IN_C else MAGIC_CRC32  # the kind of record this node writes
-REC_HDR = struct.Struct(">2sII")  # magic, length of the rest, checksum of the rest
-REC_META = struct.Struct(">BIQ")  # type, epoch, offset
-STR16 = struct.Struct(">H")
-U32 = struct.Struct(">I")
-U64 = struct.Struct(">Q")
-_ID = struct.Struct(">QI")  # a message id in a key: offset, then epoch
-MAX_RECORD = 1 << 31
-HEADER = REC_HDR.size + REC_META.size
+MAGIC: Final = b"TC"  # a record checksummed with CRC-32C
+MAGIC_CRC32: Final = b"TL"  # ... with zlib's CRC-32 (before 2026-11-28, or no C extension)
+CRC32C_IN_C: Final = google_crc32c.implementation == "c"
+WRITTEN: Final = MAGIC if CRC32C_IN_C else MAGIC_CRC32  # the kind of record this node writes
+REC_HDR: Final = struct.Struct(">2sII")  # magic, length of the rest, checksum of the rest
+REC_META: Final = struct.Struct(">BIQ")  # type, epoch, offset
+STR16: Final = struct.Struct(">H")
+U32: Final = struct.Struct(">I")
+U64: Final = struct.Struct(">Q")
+_ID: Final = struct.Struct(">QI")  # a message id in a key: offset, then epoch
+MAX_RECORD: Final = 1 << 31
+HEADER: Final = REC_HDR.size + REC_META.size
 
 # Record types. SNAPSHOT is housekeeping: it restates the durable definitions at the start of
 # a segment and takes no position of its own (its offset is the position it restates).
-DEFINE = 1
-ENQUEUE = 2
-DEQUEUE = 3
-SNAPSHOT = 4
-MARK = 5  # a delivery to a consumer: after failover the message is redelivered=true
-CHECKPOINT = 6  # an audit marker: each member records its queue depths when it applies it
-NOOP = 7  # holds the position of a durable change that is not replicated (a `none` queue's)
-MARKS = 8  # the deliveries of one queue in one turn of the primary's loop: MARKs, as one record
-DURABLE = 0x80
-MORE = 0x40
-TYPE_MASK = 0x3F
+DEFINE: Final = 1
+ENQUEUE: Final = 2
+DEQUEUE: Final = 3
+SNAPSHOT: Final = 4
+MARK: Final = 5  # a delivery to a consumer: after failover the message is redelivered=true
+CHECKPOINT: Final = 6  # an audit marker: each member records its queue depths when it applies it
+NOOP: Final = 7  # holds the position of a durable change that is not replicated (a `none` queue's)
+# The deliveries of one queue in one turn of the primary's loop: MARKs, as one record.
+MARKS: Final = 8
+DURABLE: Final = 0x80
+MORE: Final = 0x40
+TYPE_MASK: Final = 0x3F
 
 NAMES = {
     DEFINE: "define",
@@ -72,7 +73,8 @@ NAMES = {
 }
 
 
-BIG = 8192  # a payload from this size up is copied once when framed; below, two copies cost less
+# A payload from this size up is copied once when framed; below, two copies cost less.
+BIG: Final = 8192
 
 _extend: Callable[[int, bytes], int] = google_crc32c.extend
 
@@ -284,7 +286,7 @@ def _bytes(value: bytes) -> bytes:
 # behind this format byte, so arguments keep their AMQP types: bytes stay bytes, a decimal
 # stays a decimal, a timestamp a timestamp, nested tables and arrays as they were. Payloads
 # written before it are JSON objects (they begin with "{") and are still read.
-TABLE = b"\x01"
+TABLE: Final = b"\x01"
 # A test-only fault (the differential test's mutation check): write byte strings as text,
 # as a codec that dropped the byte-array type would. Set by TANDEM_TEST_FAULT_BYTES_AS_TEXT;
 # never in use.
@@ -364,8 +366,8 @@ def define(vhost: str, op: str, body: dict[str, Any]) -> bytes:
 # never name the same message. In a payload the offset sits where it always did and the epoch
 # follows at the end; a payload written before epochs were part of the id has no epoch there
 # and reads as epoch 0, so a data dir's older records keep naming their own messages.
-OFFSET_BITS = 64
-OFFSET_MASK = (1 << OFFSET_BITS) - 1
+OFFSET_BITS: Final = 64
+OFFSET_MASK: Final = (1 << OFFSET_BITS) - 1
 
 
 def mid(epoch: int, offset: int) -> int:
@@ -435,7 +437,7 @@ def key_at(where: bytes, message_id: int) -> bytes:
 # A place's names, by its bytes: every record of a queue begins with the same place, and a
 # backup or a replay reads one per record. Bounded: cleared when it holds this many.
 _PLACES: dict[bytes, tuple[str, str]] = {}
-PLACES_KEPT = 4096
+PLACES_KEPT: Final = 4096
 
 
 def read_place(data: bytes) -> tuple[str, str, int]:
@@ -487,7 +489,7 @@ def read_key(data: bytes) -> tuple[str, str, int]:
     return vhost, queue, mid(U32.unpack_from(data, at)[0], offset) if at < n else offset
 
 
-_ENQ = struct.Struct(">QI")  # an enqueue's offset and route length, after its place
+_ENQ: Final = struct.Struct(">QI")  # an enqueue's offset and route length, after its place
 
 
 def read_enqueue(data: bytes) -> tuple[str, str, int, bytes, bytes, bytes]:
