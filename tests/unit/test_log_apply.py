@@ -83,7 +83,8 @@ def msg(persistent: bool, n: int, expiration: int | None = None) -> Message:
         expiration=None if expiration is None else str(expiration),
         message_id=str(n),
     )
-    m = Message("", "", message.encode_route("", ""), props.marshal(), b"body-%d" % n, 6)
+    body = b"body-%d" % n
+    m = Message("", "", message.encode_route("", ""), props.marshal(), body, len(body))
     message.scan(m)
     return m
 
