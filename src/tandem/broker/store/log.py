@@ -1269,17 +1269,14 @@ class Store:
                     self.sizes[seg] = path.stat().st_size
                     continue
                 base = resume_pos if seg == resume_seg else 0
-                data, more = _read_from(path, base, whole=False)
-                positions: list[int] = []
-                found, good_end, corrupt, torn = records.scan(
-                    data, str(path), stop_at_corrupt, positions
-                )
-                if torn and more:  # a record runs on into a stretch of zeros: all of it
-                    data, more = _read_from(path, base, whole=True)
-                    positions = []
+                for whole in (False, True):
+                    data, more = _read_from(path, base, whole)
+                    positions: list[int] = []
                     found, good_end, corrupt, torn = records.scan(
                         data, str(path), stop_at_corrupt, positions
                     )
+                    if not (torn and more):
+                        break  # else a record runs on into a stretch of zeros: read it all
                 if base:
                     positions = [base + p for p in positions]
                     good_end += base
