@@ -10,15 +10,15 @@ import os
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 from tandem.broker.model.broker import Broker
 from tandem.broker.protocol import connection as conn_mod
 
 log = logging.getLogger(__name__)
 
-WRITE_HIGH_WATER = 4 * 1024 * 1024
-HANDSHAKE_TIMEOUT = 10.0
+WRITE_HIGH_WATER: Final = 4 * 1024 * 1024
+HANDSHAKE_TIMEOUT: Final = 10.0
 
 
 # The frames all connections together handle in one turn of the event loop, shared evenly
@@ -27,8 +27,8 @@ HANDSHAKE_TIMEOUT = 10.0
 # and a consumer made turns of 40 ms and more; an answer to the controller's status poll takes
 # three or four turns, and a primary saturated for a minute was failed over although it
 # served (then, an answer after 0.4 s counted as none).
-TURN_FRAMES = 768
-MIN_TURN_FRAMES = 48
+TURN_FRAMES: Final = 768
+MIN_TURN_FRAMES: Final = 48
 
 
 class Turn:
@@ -52,7 +52,7 @@ class Turn:
         self.counting = False
 
 
-TURN = Turn()
+TURN: Final = Turn()
 
 
 def is_loopback(host: str) -> bool:

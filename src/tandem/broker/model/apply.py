@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 
 from tandem.broker.model import definitions, records
 from tandem.broker.model import message as message_mod
@@ -170,8 +170,8 @@ def _queue(broker: Broker, vhost: str, queue: str) -> Queue | None:
 
 # A route's names, and the one route object every message with it shares (as a connection's
 # cache does on the primary). Bounded: cleared when it holds this many.
-_ROUTES: dict[bytes, tuple[str, str, bytes]] = {}
-ROUTES_KEPT = 10000
+_ROUTES: Final[dict[bytes, tuple[str, str, bytes]]] = {}
+ROUTES_KEPT: Final = 10000
 
 
 def message(q: Queue, mid: int, route: bytes, props: bytes, body: bytes) -> Message:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from tandem.broker.model import message as message_mod
 from tandem.broker.model.message import Message
@@ -211,7 +211,7 @@ class HeadersExchange(Exchange):
         return list(seen.values())
 
 
-EXCHANGE_TYPES: dict[str, type[Exchange]] = {
+EXCHANGE_TYPES: Final[dict[str, type[Exchange]]] = {
     "direct": DirectExchange,
     "fanout": FanoutExchange,
     "topic": TopicExchange,

@@ -24,7 +24,7 @@ import array
 import collections
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from tandem.broker.model import records
 
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 Boundaries = tuple[tuple[int, int], ...]  # (epoch, first offset), in order
 
-NOOP_PAYLOAD = b""
+NOOP_PAYLOAD: Final = b""
 # A record of a group not yet emitted: type, offset, payload, durable, replicated, key.
 Pending = tuple[int, int, bytes | list[bytes], bool, bool, tuple[str, str, int] | None]
 

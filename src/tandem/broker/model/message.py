@@ -9,23 +9,23 @@ change a property (dead-lettering adds x-death, direct reply-to rewrites reply-t
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Final
 
 from pamqp import commands
 
-_U16 = struct.Struct(">H")
-_U32 = struct.Struct(">I")
+_U16: Final = struct.Struct(">H")
+_U32: Final = struct.Struct(">I")
 
 # Basic property flag bits, in wire order.
-F_CONTENT_TYPE = 1 << 15
-F_CONTENT_ENCODING = 1 << 14
-F_HEADERS = 1 << 13
-F_DELIVERY_MODE = 1 << 12
-F_PRIORITY = 1 << 11
-F_CORRELATION_ID = 1 << 10
-F_REPLY_TO = 1 << 9
-F_EXPIRATION = 1 << 8
-F_USER_ID = 1 << 4
+F_CONTENT_TYPE: Final = 1 << 15
+F_CONTENT_ENCODING: Final = 1 << 14
+F_HEADERS: Final = 1 << 13
+F_DELIVERY_MODE: Final = 1 << 12
+F_PRIORITY: Final = 1 << 11
+F_CORRELATION_ID: Final = 1 << 10
+F_REPLY_TO: Final = 1 << 9
+F_EXPIRATION: Final = 1 << 8
+F_USER_ID: Final = 1 << 4
 
 
 class Message:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from tandem import errors
 from tandem.broker.model.journal import Page
@@ -104,16 +104,16 @@ def insert_by_mid(messages: collections.deque[Message], msg: Message) -> None:
 # The owner of an exclusive queue whose connection is not on this node: a backup's copy of
 # one, or one recovered after a restart. Nobody here may use it (405, as while its owner is
 # connected elsewhere); a node that starts serving deletes it (apply.drop_exclusive).
-OWNED_ELSEWHERE = object()
+OWNED_ELSEWHERE: Final = object()
 
-PAGE_BYTES = 256 * 1024  # body bytes of one page (a quarter of the budget, if less)
+PAGE_BYTES: Final = 256 * 1024  # body bytes of one page (a quarter of the budget, if less)
 # What a message in memory costs beyond its body (its objects, properties and indexes): a
 # queue's head is budgeted in body bytes plus this for each message.
-OVERHEAD = 256
+OVERHEAD: Final = 256
 
-OVERFLOW_MODES = ("drop-head", "reject-publish", "reject-publish-dlx")
+OVERFLOW_MODES: Final = ("drop-head", "reject-publish", "reject-publish-dlx")
 # Arguments whose values must match on redeclare; RabbitMQ ignores the ones it does not know.
-EQUIVALENCE_ARGS = (
+EQUIVALENCE_ARGS: Final = (
     "x-message-ttl",
     "x-expires",
     "x-max-length",
@@ -126,10 +126,10 @@ EQUIVALENCE_ARGS = (
     "x-tandem-replicate",
     "x-single-active-consumer",
 )
-REPLICATE_MODES = ("none", "configuration", "all")
+REPLICATE_MODES: Final = ("none", "configuration", "all")
 
 
-INT_ARGS = {  # name: (smallest value, largest value or None)
+INT_ARGS: Final = {  # name: (smallest value, largest value or None)
     "x-message-ttl": (0, None),
     "x-expires": (1, None),
     "x-max-length": (0, None),

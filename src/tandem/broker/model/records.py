@@ -61,7 +61,7 @@ DURABLE: Final = 0x80
 MORE: Final = 0x40
 TYPE_MASK: Final = 0x3F
 
-NAMES = {
+NAMES: Final = {
     DEFINE: "define",
     ENQUEUE: "enqueue",
     DEQUEUE: "dequeue",
@@ -436,7 +436,7 @@ def key_at(where: bytes, message_id: int) -> bytes:
 
 # A place's names, by its bytes: every record of a queue begins with the same place, and a
 # backup or a replay reads one per record. Bounded: cleared when it holds this many.
-_PLACES: dict[bytes, tuple[str, str]] = {}
+_PLACES: Final[dict[bytes, tuple[str, str]]] = {}
 PLACES_KEPT: Final = 4096
 
 

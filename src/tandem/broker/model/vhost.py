@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from pamqp import commands
 
@@ -19,7 +19,7 @@ from tandem.broker.model.queue import Queue
 
 Clock = Callable[[], int]  # monotonic milliseconds
 
-STANDARD_EXCHANGES = (
+STANDARD_EXCHANGES: Final = (
     ("amq.direct", "direct"),
     ("amq.fanout", "fanout"),
     ("amq.topic", "topic"),

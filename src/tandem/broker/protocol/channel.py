@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from pamqp import commands
 
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from tandem.broker.protocol.connection import Connection
 
 
-REPLY_TO = "amq.rabbitmq.reply-to"
-REPLY_TO_BYTES = REPLY_TO.encode()
+REPLY_TO: Final = "amq.rabbitmq.reply-to"
+REPLY_TO_BYTES: Final = REPLY_TO.encode()
 
 
 # -- consumers -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from pamqp import commands, decode
 
@@ -55,18 +55,18 @@ class Limits:
 # a status answer took 0.27 s p99, with 64 KiB 0.6 s, the throughput the same); counted in
 # frames, not bytes, so that large messages, whose cost is less than their size says, are
 # not cut into a turn each.
-FEED_FRAMES = 384
+FEED_FRAMES: Final = 384
 
 # The read buffer. Reads land in it and frames are handled where they landed: only a body is
 # copied out. It starts small, doubles while reads fill it, up to uvloop's own 256 KiB, and a
 # connection that received little over half a heartbeat interval gives a large one back
 # (without heartbeats, it keeps it). Whatever its size, a read gets room for at least READ_LOW
 # bytes and for the rest of a frame begun.
-READ_INITIAL = 16 * 1024
-READ_MAX = 256 * 1024
-READ_LOW = 4096
+READ_INITIAL: Final = 16 * 1024
+READ_MAX: Final = 256 * 1024
+READ_LOW: Final = 4096
 
-SERVER_CAPABILITIES = {
+SERVER_CAPABILITIES: Final = {
     "publisher_confirms": True,
     "exchange_exchange_bindings": True,
     "basic.nack": True,
@@ -807,7 +807,7 @@ Handler = Callable[[Connection, Channel, Any], None]
 
 # channel-level methods by pamqp's identity (class id << 16 | method id); publish and ack
 # never get here (the hot path parses them in place, see `Connection._method`).
-_HANDLERS: dict[int, Handler] = {
+_HANDLERS: Final[dict[int, Handler]] = {
     commands.Channel.Flow.index: Connection._channel_flow,
     commands.Channel.Close.index: Connection._channel_close,
     commands.Channel.CloseOk.index: Connection._channel_close_ok,

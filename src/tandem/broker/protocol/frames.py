@@ -7,41 +7,41 @@ other method goes through pamqp (`method_bytes`, `decode_method`).
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Final
 
 from pamqp import commands, frame
 
 from tandem import errors
 
-PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
-FRAME_METHOD = 1
-FRAME_HEADER = 2
-FRAME_BODY = 3
-FRAME_HEARTBEAT = 8
-FRAME_END = 0xCE
-FRAME_END_BYTE = b"\xce"
-FRAME_MIN_SIZE = 4096
+PROTOCOL_HEADER: Final = b"AMQP\x00\x00\x09\x01"
+FRAME_METHOD: Final = 1
+FRAME_HEADER: Final = 2
+FRAME_BODY: Final = 3
+FRAME_HEARTBEAT: Final = 8
+FRAME_END: Final = 0xCE
+FRAME_END_BYTE: Final = b"\xce"
+FRAME_MIN_SIZE: Final = 4096
 
-FRAME_HDR = struct.Struct(">BHI")
-METHOD_IDS = struct.Struct(">HH")
-METHOD_HDR = struct.Struct(">BHIHH")
-CONTENT_HDR = struct.Struct(">BHIHHQ")
-HEADER_PAYLOAD = struct.Struct(">HHQ")
-U64_U8 = struct.Struct(">QB")
-U32_U32 = struct.Struct(">II")
+FRAME_HDR: Final = struct.Struct(">BHI")
+METHOD_IDS: Final = struct.Struct(">HH")
+METHOD_HDR: Final = struct.Struct(">BHIHH")
+CONTENT_HDR: Final = struct.Struct(">BHIHHQ")
+HEADER_PAYLOAD: Final = struct.Struct(">HHQ")
+U64_U8: Final = struct.Struct(">QB")
+U32_U32: Final = struct.Struct(">II")
 
-HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
+HEARTBEAT_FRAME: Final = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 
 # (class_id, method_id) of the hot-path methods
-BASIC = 60
-BASIC_PUBLISH = 40
-BASIC_ACK = 80
+BASIC: Final = 60
+BASIC_PUBLISH: Final = 40
+BASIC_ACK: Final = 80
 
 
 # A part of the output this long (a delivery's body) is handed to the socket as it is, beside
 # the joined rest, and written with writev: joining would copy it once more. Shorter parts
 # cost less to copy than to pass as one more buffer.
-BIG_PART = 8192
+BIG_PART: Final = 8192
 
 
 def method_bytes(channel: int, method: Any) -> bytes:

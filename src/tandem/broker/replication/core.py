@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from tandem.ha import fencing
 from tandem.ha.model import ElectionRecord, Position, Role
@@ -210,7 +210,7 @@ def agreement(mine: Boundaries, mine_end: int, theirs: Boundaries, theirs_end: i
     return agree
 
 
-MAX_QUIET_TICKS = 120  # a member whose copies keep failing asks again at least this often
+MAX_QUIET_TICKS: Final = 120  # a member whose copies keep failing asks again at least this often
 
 
 @dataclass(slots=True)

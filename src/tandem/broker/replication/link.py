@@ -15,18 +15,18 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from tandem.broker.replication import wire
 
 # The most a message may hold before `serve`: a peer that has not proved the cluster key is
 # owed no more memory than a challenge or an answer takes.
-HANDSHAKE_BYTES = 1 << 16
+HANDSHAKE_BYTES: Final = 1 << 16
 # The most one turn of the loop spends on a link's messages before the loop's other work
 # (the controller's polls, the store's callbacks) has its turn. A backup that lags applies
 # what it reads for as long as it lags: a read of 256 KiB took it 60-75 ms on a busy machine,
 # an answer to a poll took several turns, and the controller found it silent (issue 16).
-SLICE_SECONDS = 0.01
+SLICE_SECONDS: Final = 0.01
 
 
 class Link(asyncio.Protocol):

@@ -23,7 +23,7 @@ import logging
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Final
 
 from tandem.broker.model import apply, definitions, records
 from tandem.broker.model import vhost as vhost_mod
@@ -37,15 +37,15 @@ from tandem.broker.store.log import Store, give_way
 
 log = logging.getLogger(__name__)
 
-WINDOW_BYTES = 64 << 20
-NOT_APPLIED_KEPT = 20
+WINDOW_BYTES: Final = 64 << 20
+NOT_APPLIED_KEPT: Final = 20
 # In the store's directory while a copy from the primary is written: a member killed before
 # the copy is on disk recovers up to the copy's end but holds only part of it, so it must
 # not say in brief what it holds (`digest`).
-COPYING = "copying"
+COPYING: Final = "copying"
 # The first frame of a copy that is a difference, not everything.
-DIFF = records.define("", "difference", {})
-_MESSAGE_RECORDS = (records.ENQUEUE, records.DEQUEUE, records.MARK)
+DIFF: Final = records.define("", "difference", {})
+_MESSAGE_RECORDS: Final = (records.ENQUEUE, records.DEQUEUE, records.MARK)
 
 
 class BrokerLog:
@@ -810,7 +810,7 @@ class Restarted:
 
 # A brief digest (`BrokerLog.digest`): a list, which a primary that does not read it takes
 # for no digest at all (a full copy).
-RESTARTED = "restarted"
+RESTARTED: Final = "restarted"
 
 
 def _brief(theirs: Any) -> int | None:
@@ -883,16 +883,16 @@ def _epoch_at(bounds: core.Boundaries, offset: int, default: int) -> int:
     return found
 
 
-_MID = operator.attrgetter("mid")
+_MID: Final = operator.attrgetter("mid")
 # A copy is made on another thread, and a thread lets the loop run only between bytecodes:
 # a set built from two million ids in one call held the loop 0.2-0.4 s. Such calls take
 # this many at a time, and between them the thread gives the loop its turn (`give_way`,
 # which counts the work: a queue or page of a few messages is not a turn of its own).
-_SLICE = 1 << 16
+_SLICE: Final = 1 << 16
 
 
-_BIG = array.array("H", [1]).tobytes() == b"\x00\x01"
-_EPOCHS = 1 << 32  # a record's epoch is an unsigned 32-bit field (records.key)
+_BIG: Final = array.array("H", [1]).tobytes() == b"\x00\x01"
+_EPOCHS: Final = 1 << 32  # a record's epoch is an unsigned 32-bit field (records.key)
 
 
 def _packed(mids: list[int]) -> list[list[Any]]:

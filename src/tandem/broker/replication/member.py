@@ -37,7 +37,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 from tandem.broker.model import apply
 from tandem.broker.model.broker import Broker
@@ -53,18 +53,21 @@ from tandem.ha.model import ElectionRecord, Role
 
 log = logging.getLogger(__name__)
 
+# Not Final, as the other constants are, SLOW_BYTES, FLOW_RECORDS and HANDSHAKE_SECONDS:
+# tests set them small.
 SLOW_BYTES = 64 << 20  # unsent bytes to one follower before it is cut off
 # Records or bytes a primary holds that are not yet confirmed, before its publishers are read
 # no more: half of what gets a follower dropped from the ISR (ha.model.Settings's
 # max_lag_records) or cut off (SLOW_BYTES). They are read again at half of these.
 FLOW_RECORDS = 50_000
-FLOW_BYTES = SLOW_BYTES // 2
-CHECKPOINT_EVERY = 10_000  # records between the primary's audit checkpoints
-CHECKPOINTS_KEPT = 100
-RETRY_SECONDS = 0.2  # between attempts to reach the primary
-TICK_SECONDS = 0.5  # a backup repeats its ack (or its Hello) this often
-LAZY_SECONDS = 0.01  # records no confirm waits for (acks, delivery marks) ship within this
-LEASE_SECONDS = 10.0  # a primary the controller has not renewed for this long closes its clients
+FLOW_BYTES: Final = SLOW_BYTES // 2
+CHECKPOINT_EVERY: Final = 10_000  # records between the primary's audit checkpoints
+CHECKPOINTS_KEPT: Final = 100
+RETRY_SECONDS: Final = 0.2  # between attempts to reach the primary
+TICK_SECONDS: Final = 0.5  # a backup repeats its ack (or its Hello) this often
+LAZY_SECONDS: Final = 0.01  # records no confirm waits for (acks, delivery marks) ship within this
+# a primary the controller has not renewed for this long closes its clients
+LEASE_SECONDS: Final = 10.0
 HANDSHAKE_SECONDS = 10.0  # each step of a link's handshake: a peer silent longer is closed
 
 

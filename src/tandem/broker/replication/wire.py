@@ -24,29 +24,30 @@ import hmac
 import json
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from tandem.broker.model import records
 from tandem.broker.replication import core
 from tandem.broker.store.log import give_way
 
-VERSION = 1
-HEAD = struct.Struct(">IBI")  # total length after this u32, kind, header length
-MAX_MESSAGE = 1 << 30
+VERSION: Final = 1
+HEAD: Final = struct.Struct(">IBI")  # total length after this u32, kind, header length
+MAX_MESSAGE: Final = 1 << 30
+# Not Final, as the other constants are: a test makes them small to see a copy cut up.
 PIECE_BYTES = 4 << 20  # frames joined at a time into a piece of a copy (encode_parts)
 COPY_MESSAGE = 256 << 20  # frames' bytes in one message of a copy
 
 HELLO, SYNC, APPEND, ACK, REJOIN, STALE, SYNC_PART = 1, 2, 3, 4, 5, 6, 7
 APPEND_B, ACK_B = 8, 9  # APPEND and ACK with packed headers, to a peer that takes them
-TAKES = (APPEND_B, ACK_B)  # the kinds past version 1's first ones that this member reads
-APPEND_HEAD = struct.Struct(">QQH")  # epoch, start, the sender's length; then the sender
-ACK_HEAD = struct.Struct(">QQQQH")  # epoch, session, offset, the sender's length; the sender
+TAKES: Final = (APPEND_B, ACK_B)  # the kinds past version 1's first ones that this member reads
+APPEND_HEAD: Final = struct.Struct(">QQH")  # epoch, start, the sender's length; then the sender
+ACK_HEAD: Final = struct.Struct(">QQQQH")  # epoch, session, offset, the sender's length; the sender
 CHALLENGE, ANSWER, WELCOME, REFUSE = 10, 11, 12, 13
 # Sent only to a follower whose Hello's digest was brief, which only a member that reads it
 # sends.
-DETAIL = 14
+DETAIL: Final = 14
 
-_KINDS: dict[type, int] = {
+_KINDS: Final[dict[type, int]] = {
     core.Hello: HELLO,
     core.Sync: SYNC,
     core.Append: APPEND,

@@ -61,7 +61,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from tandem.broker.model import apply, records
 from tandem.broker.model.broker import Broker
@@ -82,23 +82,23 @@ Run = list[tuple[int, int, int, int]]  # messages: (id, place in the log, frame 
 # thread held the GIL 50-130 ms at a time.
 Columns = tuple[list[int], "array.array[int]", "array.array[int]", "array.array[int]"]
 # Where a record is, one int: its segment number, then its first byte in the segment.
-AT_BITS = 32
-AT_MASK = (1 << AT_BITS) - 1
+AT_BITS: Final = 32
+AT_MASK: Final = (1 << AT_BITS) - 1
 # Compaction carries an old segment's live messages forward only once fewer than one in this
 # many of its messages are live: a segment still mostly live empties as consumers go on.
-CARRY_BELOW = 8
+CARRY_BELOW: Final = 8
 # ... and once they have stopped being consumed for this long: the oldest segment of a deep
 # queue being drained is its head, emptied by the consumers faster than a carry reads it (a
 # 64 MiB segment read, scanned and carried "0 live messages" every seven seconds under a
 # saturated run, on every member).
-CARRY_PATIENCE = 2.0  # seconds
-CARRY_LIMIT = 30.0  # seconds: however slowly they are consumed, carried after this long
-CARRY_BYTES = 1 << 20  # of a segment carried forward in one turn of the loop
-CHECKPOINT_MAGIC = b"TANDEM-CHECKPOINT-1\n"
-INLINE_BYTES = 16 << 10  # a batch this small is written on the loop when the disk is fast
-INLINE_SECONDS = 0.0005  # fast: recent batches' writes and fsyncs took less
-LAZY_SECONDS = 0.01  # records nothing waits for are written within this
-LAZY_BYTES = 1 << 20  # ... or once this many of them are pending
+CARRY_PATIENCE: Final = 2.0  # seconds
+CARRY_LIMIT: Final = 30.0  # seconds: however slowly they are consumed, carried after this long
+CARRY_BYTES: Final = 1 << 20  # of a segment carried forward in one turn of the loop
+CHECKPOINT_MAGIC: Final = b"TANDEM-CHECKPOINT-1\n"
+INLINE_BYTES: Final = 16 << 10  # a batch this small is written on the loop when the disk is fast
+INLINE_SECONDS: Final = 0.0005  # fast: recent batches' writes and fsyncs took less
+LAZY_SECONDS: Final = 0.01  # records nothing waits for are written within this
+LAZY_BYTES: Final = 1 << 20  # ... or once this many of them are pending
 
 
 @dataclass(slots=True)
@@ -1509,13 +1509,13 @@ class _Captured:
     heads: list[tuple[tuple[str, str], list[Message]]] = field(default_factory=list)
 
 
-DUE_SHARE = 4  # a checkpoint every at least this share of the messages it names (`write`)
+DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages it names (`write`)
 # Messages between two turns given to the loop (`give_way`): 8-30 ms of work. Fewer gave
 # the loop more of the GIL and the checkpoint less: with 1,024, a lone node filling 2,000,000
 # messages ran 1.3 times as fast, but the checkpoint written lagged, and a restart after
 # kill -9 replayed more (serving in 2.8-5.1 s, not 1.8; docs/performance.md).
-YIELD_EVERY = 1 << 14
-GIVE_WAY_SECONDS = 0.0001
+YIELD_EVERY: Final = 1 << 14
+GIVE_WAY_SECONDS: Final = 0.0001
 
 
 _owed = 0  # work done since the last turn given, in messages (`give_way`)
@@ -1733,7 +1733,7 @@ def _spans(ats: list[int], lengths: list[int]) -> tuple[list[tuple[int, int, int
     return [(seg, start, end) for seg, (start, end) in sorted(spans.items())], segs
 
 
-PACK_EVERY = 3 << 13  # values packed at a time: a whole number of base64's 3-byte groups
+PACK_EVERY: Final = 3 << 13  # values packed at a time: a whole number of base64's 3-byte groups
 
 
 def _packed(typecode: str, values: Sequence[int]) -> list[bytes]:
@@ -1751,7 +1751,7 @@ def _unpacked(typecode: str, text: str) -> array.array[int]:
     return out
 
 
-READ_CHUNK = 1 << 20  # a start reads a segment this much at a time (`_read_from`)
+READ_CHUNK: Final = 1 << 20  # a start reads a segment this much at a time (`_read_from`)
 
 
 def _read_from(path: Path, base: int, whole: bool) -> tuple[bytes, bool]:
@@ -1775,7 +1775,7 @@ def _read_from(path: Path, base: int, whole: bool) -> tuple[bytes, bool]:
             parts.append(chunk)
 
 
-IOV_MAX = 1024  # what Linux takes in one writev
+IOV_MAX: Final = 1024  # what Linux takes in one writev
 _datasync: Callable[[int], None] = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
 
