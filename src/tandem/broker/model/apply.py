@@ -81,7 +81,8 @@ def describe(rtype: int, payload: bytes) -> str:
 
 def _apply(broker: Broker, rtype: int, payload: bytes) -> None:
     if rtype == records.ENQUEUE:
-        enqueue(broker, *records.read_enqueue(payload))
+        vhost, queue, mid, route, props, body = records.read_enqueue(payload)
+        enqueue(broker, vhost, queue, mid, route, props, body)  # not *: a generic call compiled
     elif rtype in (records.DEQUEUE, records.MARK):
         vhost, queue, mid = records.read_key(payload)
         (dequeue if rtype == records.DEQUEUE else mark)(broker, vhost, queue, mid)

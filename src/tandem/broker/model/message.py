@@ -126,7 +126,8 @@ def _scan(msg: Message) -> int:
     if flags & F_CONTENT_ENCODING:
         pos += 1 + props[pos]
     if flags & F_HEADERS:
-        pos += 4 + _U32.unpack_from(props, pos)[0]
+        table: int = _U32.unpack_from(props, pos)[0]
+        pos += 4 + table
     if flags & F_DELIVERY_MODE:
         msg.persistent = props[pos] == 2
         pos += 1

@@ -44,7 +44,16 @@ U32: Final = struct.Struct(">I")
 U64: Final = struct.Struct(">Q")
 _ID: Final = struct.Struct(">QI")  # a message id in a key: offset, then epoch
 MAX_RECORD: Final = 1 << 31
-HEADER: Final = REC_HDR.size + REC_META.size
+# Sizes and readers held as ints and functions: compiled code then looks nothing up by name.
+HDR_SIZE: Final[int] = REC_HDR.size
+META_SIZE: Final[int] = REC_META.size
+HEADER: Final[int] = HDR_SIZE + META_SIZE
+_read_hdr: Final = REC_HDR.unpack_from
+_read_meta: Final = REC_META.unpack_from
+_read_u16: Final = STR16.unpack_from
+_read_u32: Final = U32.unpack_from
+ID_SIZE: Final[int] = _ID.size
+U64_SIZE: Final[int] = U64.size
 
 # Record types. SNAPSHOT is housekeeping: it restates the durable definitions at the start of
 # a segment and takes no position of its own (its offset is the position it restates).
@@ -116,13 +125,16 @@ def frame(
 
 def head(data: bytes | memoryview) -> tuple[int, int, int, bool]:
     """(type, epoch, offset, durable) of a frame known to be whole and checked."""
-    rtype, epoch, offset = REC_META.unpack_from(data, REC_HDR.size)
+    rtype: int
+    epoch: int
+    offset: int
+    rtype, epoch, offset = _read_meta(data, HDR_SIZE)
     return rtype & TYPE_MASK, epoch, offset, bool(rtype & DURABLE)
 
 
 def continues(data: bytes | memoryview) -> bool:
     """True when more records of this one's group follow it."""
-    return bool(data[REC_HDR.size] & MORE)
+    return bool(data[HDR_SIZE] & MORE)
 
 
 def payload(data: bytes) -> bytes:
@@ -161,12 +173,16 @@ def scan(
     pos = 0
     n = len(data)
     good_end = 0
+    length: int
+    rtype: int
+    epoch: int
+    offset: int
     while pos < n:
         problem = problem_at(data, pos)
         if problem is None:
-            _m, length, _crc = REC_HDR.unpack_from(data, pos)
-            end = pos + REC_HDR.size + length
-            rtype, epoch, offset = REC_META.unpack_from(data, pos + REC_HDR.size)
+            _m, length, _crc = _read_hdr(data, pos)
+            end = pos + HDR_SIZE + length
+            rtype, epoch, offset = _read_meta(data, pos + HDR_SIZE)
             records.append((rtype & (TYPE_MASK | MORE), epoch, offset, data[pos + HEADER : end]))
             if positions is not None:
                 positions.append(pos)
@@ -188,17 +204,23 @@ def enqueue_sizes(data: bytes, pos: int) -> tuple[int, int] | None:
     """(frame length, body length) of the ENQUEUE frame at `pos`, read from its header and
     fields without checking its checksum (that is for when it is read whole); None when the
     header or the fields do not hold together."""
+    length: int
+    field: int
     try:
-        magic, length, _crc = REC_HDR.unpack_from(data, pos)
-        end = pos + REC_HDR.size + length
+        magic, length, _crc = _read_hdr(data, pos)
+        end = pos + HDR_SIZE + length
         if (magic != MAGIC and magic != MAGIC_CRC32) or end > len(data):
             return None
         at = pos + HEADER
-        at += 2 + STR16.unpack_from(data, at)[0]  # vhost
-        at += 2 + STR16.unpack_from(data, at)[0] + U64.size  # queue, offset
-        at += 4 + U32.unpack_from(data, at)[0]  # route
-        at += 4 + U32.unpack_from(data, at)[0]  # properties
-        body: int = U32.unpack_from(data, at)[0]
+        (field,) = _read_u16(data, at)
+        at += 2 + field  # vhost
+        (field,) = _read_u16(data, at)
+        at += 2 + field + U64_SIZE  # queue, offset
+        (field,) = _read_u32(data, at)
+        at += 4 + field  # route
+        (field,) = _read_u32(data, at)
+        at += 4 + field  # properties
+        body: int = _read_u32(data, at)[0]
     except struct.error:
         return None
     if at + 4 + body > end:
@@ -208,30 +230,36 @@ def enqueue_sizes(data: bytes, pos: int) -> tuple[int, int] | None:
 
 def read_at(data: bytes, pos: int) -> Scanned:
     """The record whose frame begins at `pos`, known to be whole and valid (`problem_at`)."""
-    _m, length, _crc = REC_HDR.unpack_from(data, pos)
-    rtype, epoch, offset = REC_META.unpack_from(data, pos + REC_HDR.size)
+    length: int
+    rtype: int
+    epoch: int
+    offset: int
+    _m, length, _crc = _read_hdr(data, pos)
+    rtype, epoch, offset = _read_meta(data, pos + HDR_SIZE)
     return (
         rtype & (TYPE_MASK | MORE),
         epoch,
         offset,
-        data[pos + HEADER : pos + REC_HDR.size + length],
+        data[pos + HEADER : pos + HDR_SIZE + length],
     )
 
 
 def problem_at(data: bytes, pos: int) -> str | None:
     """What is wrong with the frame at `pos`, or None."""
     n = len(data)
-    if n - pos < REC_HDR.size:
+    if n - pos < HDR_SIZE:
         return "truncated record header"
-    magic, length, crc = REC_HDR.unpack_from(data, pos)
-    end = pos + REC_HDR.size + length
+    length: int
+    crc: int
+    magic, length, crc = _read_hdr(data, pos)
+    end = pos + HDR_SIZE + length
     if magic != MAGIC and magic != MAGIC_CRC32:
         return "bad record magic"
-    if length < REC_META.size or length > MAX_RECORD:
+    if length < META_SIZE or length > MAX_RECORD:
         return f"bad record length {length}"
     if end > n:
         return "record runs past the end of the file"
-    rest = data[pos + REC_HDR.size : end]
+    rest = data[pos + HDR_SIZE : end]
     if (crc32c(rest) if magic == MAGIC else zlib.crc32(rest)) != crc:
         return "checksum mismatch"
     return None
@@ -442,8 +470,10 @@ PLACES_KEPT: Final = 4096
 
 def read_place(data: bytes) -> tuple[str, str, int]:
     """(vhost, queue, where the place ends) of a message record's leading fields."""
-    (vlen,) = STR16.unpack_from(data, 0)
-    (qlen,) = STR16.unpack_from(data, 2 + vlen)
+    vlen: int
+    qlen: int
+    (vlen,) = _read_u16(data, 0)
+    (qlen,) = _read_u16(data, 2 + vlen)
     end = 4 + vlen + qlen
     raw = data[:end]
     names = _PLACES.get(raw)
@@ -475,37 +505,49 @@ def read_key(data: bytes) -> tuple[str, str, int]:
     """(vhost, queue, mid) of a DEQUEUE or MARK, or of an ENQUEUE (its leading fields)."""
     vhost, queue, at = read_place(data)
     n = len(data)
-    if n == at + _ID.size:  # a key with its epoch
+    offset: int
+    epoch: int
+    field: int
+    if n == at + ID_SIZE:  # a key with its epoch
         offset, epoch = _ID.unpack_from(data, at)
         return vhost, queue, (epoch << OFFSET_BITS) | offset
     (offset,) = U64.unpack_from(data, at)
-    if n == at + U64.size:  # a key written before epochs were part of the id
+    if n == at + U64_SIZE:  # a key written before epochs were part of the id
         return vhost, queue, offset
-    at += U64.size
+    at += U64_SIZE
     for _field in range(3):  # an enqueue: its epoch follows route, properties and body
-        at += 4 + U32.unpack_from(data, at)[0]
+        (field,) = _read_u32(data, at)
+        at += 4 + field
     if at > n:
         raise ValueError("truncated field")
-    return vhost, queue, mid(U32.unpack_from(data, at)[0], offset) if at < n else offset
+    if at == n:
+        return vhost, queue, offset
+    (epoch,) = _read_u32(data, at)
+    return vhost, queue, mid(epoch, offset)
 
 
 _ENQ: Final = struct.Struct(">QI")  # an enqueue's offset and route length, after its place
+_read_enq: Final = _ENQ.unpack_from
+_ENQ_SIZE: Final[int] = _ENQ.size
 
 
 def read_enqueue(data: bytes) -> tuple[str, str, int, bytes, bytes, bytes]:
     """(vhost, queue, mid, route, props, body)."""
     vhost, queue, at = read_place(data)
-    offset, n = _ENQ.unpack_from(data, at)
-    at += _ENQ.size
+    offset: int
+    n: int
+    epoch: int
+    offset, n = _read_enq(data, at)
+    at += _ENQ_SIZE
     route = data[at : at + n]
     at += n
-    (n,) = U32.unpack_from(data, at)
+    (n,) = _read_u32(data, at)
     props = data[at + 4 : at + 4 + n]
     at += 4 + n
-    (n,) = U32.unpack_from(data, at)
+    (n,) = _read_u32(data, at)
     body = data[at + 4 : at + 4 + n]
     at += 4 + n
     if at > len(data):
         raise ValueError("truncated field")
-    epoch = U32.unpack_from(data, at)[0] if at < len(data) else 0
+    epoch = _read_u32(data, at)[0] if at < len(data) else 0
     return vhost, queue, (epoch << OFFSET_BITS) | offset, route, props, body

@@ -227,6 +227,8 @@ def content_header(
         if number in conn.closing_channels:
             return
         raise errors.UnexpectedFrame(f"unexpected content header frame on channel {number}")
+    class_id: int
+    size: int
     class_id, _weight, size = HEADER_PAYLOAD.unpack_from(buf, start)
     if class_id != 60:
         raise errors.FrameError(f"content header for class {class_id}, expected 60")

@@ -313,6 +313,10 @@ class Connection:
         frame_max = self.frame_max
         unpack_hdr = FRAME_HDR.unpack_from
         left = self.transport.turn_frames()
+        # Typed, as what struct returns is not: compiled code then does its sums as ints.
+        ftype: int
+        ch: int
+        size: int
         try:
             while n - pos >= 7:
                 ftype, ch, size = unpack_hdr(buf, pos)
@@ -564,6 +568,8 @@ class Connection:
             self.send_method(ch, commands.Channel.CloseOk())
 
     def _method(self, ch: int, buf: bytes | bytearray, start: int, end: int) -> None:
+        class_id: int
+        method_id: int
         class_id, method_id = METHOD_IDS.unpack_from(buf, start)
         if ch:
             channel = self.channels.get(ch)
@@ -575,6 +581,8 @@ class Connection:
                     if method_id == 80:
                         if end - start < 13:
                             raise errors.SyntaxError_("truncated basic.ack", 60, 80)
+                        tag: int
+                        bits: int
                         tag, bits = U64_U8.unpack_from(buf, start + 4)
                         basic.ack(self, channel, tag, bool(bits & 1))
                         return

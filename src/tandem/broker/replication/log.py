@@ -279,7 +279,7 @@ class BrokerLog:
         frames = self.since(end) if agree == end else None
         if frames is None:
             return None
-        at = records.REC_HDR.size
+        at = records.HDR_SIZE
         dequeues: list[bytes] = []
         enqueues: list[bytes] = []
         for data in frames:
@@ -307,7 +307,7 @@ class BrokerLog:
     def extend(self, entries: Sequence[bytes]) -> None:
         take, group = self._take, self.group
         for data in entries:
-            if data[records.REC_HDR.size] & records.MORE:  # records.continues
+            if data[records.HDR_SIZE] & records.MORE:  # records.continues
                 group.append(data)  # a group is applied once its last record came
             elif group:
                 group.append(data)
@@ -336,7 +336,10 @@ class BrokerLog:
     def _take(self, data: bytes) -> None:
         """Store, apply and keep one of the primary's frames. A message record is read once,
         for the store's index and for apply; the others take the general path."""
-        flags, epoch, offset = records.REC_META.unpack_from(data, records.REC_HDR.size)
+        flags: int
+        epoch: int
+        offset: int
+        flags, epoch, offset = records.REC_META.unpack_from(data, records.HDR_SIZE)
         rtype = flags & records.TYPE_MASK
         sequencer, store = self.sequencer, self.store
         bounds = sequencer.boundaries
@@ -372,12 +375,14 @@ class BrokerLog:
         if store is not None and rtype != records.DEQUEUE:
             store.write(rtype, offset, data, key)
         try:
+            # Arguments named one by one: a call with *fields is a generic call when compiled.
+            vhost, queue, mid = key
             if rtype == records.ENQUEUE:
-                apply.enqueue(self.broker, *fields)
+                apply.enqueue(self.broker, vhost, queue, mid, fields[3], fields[4], fields[5])
             elif rtype == records.DEQUEUE:
-                apply.dequeue(self.broker, *key)
+                apply.dequeue(self.broker, vhost, queue, mid)
             else:
-                apply.mark(self.broker, *key)
+                apply.mark(self.broker, vhost, queue, mid)
         except Exception as exc:  # whatever failed, it is this record's failure
             self._not_applied(epoch, offset, rtype, payload, exc)
         if store is not None and rtype == records.DEQUEUE:

@@ -42,6 +42,9 @@ APPEND_B, ACK_B = 8, 9  # APPEND and ACK with packed headers, to a peer that tak
 TAKES: Final = (APPEND_B, ACK_B)  # the kinds past version 1's first ones that this member reads
 APPEND_HEAD: Final = struct.Struct(">QQH")  # epoch, start, the sender's length; then the sender
 ACK_HEAD: Final = struct.Struct(">QQQQH")  # epoch, session, offset, the sender's length; the sender
+HEAD_SIZE: Final[int] = HEAD.size  # the sizes as ints, which compiled code reads directly
+APPEND_HEAD_SIZE: Final[int] = APPEND_HEAD.size
+ACK_HEAD_SIZE: Final[int] = ACK_HEAD.size
 CHALLENGE, ANSWER, WELCOME, REFUSE = 10, 11, 12, 13
 # Sent only to a follower whose Hello's digest was brief, which only a member that reads it
 # sends.
@@ -171,7 +174,7 @@ def size(data: bytes | bytearray, at: int = 0) -> int:
 
 def split(data: bytes) -> tuple[int, int] | None:
     """(kind, total size) of the first whole message in `data`, or None for more bytes."""
-    if len(data) < HEAD.size:
+    if len(data) < HEAD_SIZE:
         return None
     n = size(data)
     return None if len(data) < n else (data[4], n)
@@ -179,8 +182,11 @@ def split(data: bytes) -> tuple[int, int] | None:
 
 def header(data: bytes) -> tuple[int, dict[str, Any], bytes]:
     """(kind, header, the frames' bytes) of one whole message."""
+    length: int
+    kind: int
+    hlen: int
     length, kind, hlen = HEAD.unpack_from(data, 0)
-    start = HEAD.size
+    start = HEAD_SIZE
     try:
         h = json.loads(data[start : start + hlen])
     except ValueError as exc:
@@ -194,11 +200,13 @@ def frames(data: bytes) -> list[bytes]:
     """Split checked record frames; a frame that does not check out ends the connection."""
     out: list[bytes] = []
     pos, n = 0, len(data)
+    length: int
     while pos < n:
         problem = records.problem_at(data, pos)
         if problem is not None:
             raise WireError(f"a record frame does not check out: {problem}")
-        end = pos + records.REC_HDR.size + records.REC_HDR.unpack_from(data, pos)[1]
+        _magic, length, _crc = records.REC_HDR.unpack_from(data, pos)
+        end = pos + records.HDR_SIZE + length
         out.append(data[pos:end])
         pos = end
     return out
@@ -239,19 +247,24 @@ def decode(data: bytes) -> core.PeerMessage:
 
 def _packed(data: bytes) -> core.PeerMessage:
     """An APPEND_B or ACK_B message."""
+    length: int
+    kind: int
+    hlen: int
+    epoch: int
+    n: int
     length, kind, hlen = HEAD.unpack_from(data, 0)
-    at = HEAD.size
+    at = HEAD_SIZE
     try:
         if kind == APPEND_B:
             epoch, start, n = APPEND_HEAD.unpack_from(data, at)
-            if APPEND_HEAD.size + n != hlen or at + hlen > 4 + length:
+            if APPEND_HEAD_SIZE + n != hlen or at + hlen > 4 + length:
                 raise ValueError("its header's length does not add up")
-            sender = data[at + APPEND_HEAD.size : at + hlen].decode()
+            sender = data[at + APPEND_HEAD_SIZE : at + hlen].decode()
             return core.Append(sender, epoch, start, frames(data[at + hlen : 4 + length]))
         epoch, a, b, offset, n = ACK_HEAD.unpack_from(data, at)
-        if ACK_HEAD.size + n != hlen or 4 + length != at + hlen:
+        if ACK_HEAD_SIZE + n != hlen or 4 + length != at + hlen:
             raise ValueError("its header's length does not add up")
-        sender = data[at + ACK_HEAD.size : at + hlen].decode()
+        sender = data[at + ACK_HEAD_SIZE : at + hlen].decode()
         return core.Ack(sender, epoch, (a, b), offset)
     except (struct.error, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise WireError(f"bad message of kind {kind}: {exc!r}") from None
