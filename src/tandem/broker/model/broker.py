@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from tandem import errors
 from tandem.broker.model.auth import Permission, User, Users
-from tandem.broker.model.journal import Journal, Sequencer
+from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.spec import PermissionSpec, UserSpec
 from tandem.broker.model.vhost import Clock, VirtualHost, monotonic_ms
 
 
 class Broker:
-    def __init__(self, journal: Journal | None = None, clock: Clock = monotonic_ms) -> None:
-        self.journal: Journal = journal or Sequencer()
+    def __init__(self, journal: Sequencer | None = None, clock: Clock = monotonic_ms) -> None:
+        self.journal = journal or Sequencer()
         self.clock = clock
         self.vhosts: dict[str, VirtualHost] = {}
         self.users = Users()

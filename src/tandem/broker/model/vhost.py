@@ -13,7 +13,7 @@ from tandem import errors
 from tandem.broker.model import message as message_mod
 from tandem.broker.model import queue as queue_mod
 from tandem.broker.model.exchange import EXCHANGE_TYPES, Binding, Exchange
-from tandem.broker.model.journal import Journal
+from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import Queue
 
@@ -39,7 +39,7 @@ def monotonic_ms() -> int:
 
 
 class VirtualHost:
-    def __init__(self, name: str, journal: Journal, clock: Clock = monotonic_ms) -> None:
+    def __init__(self, name: str, journal: Sequencer, clock: Clock = monotonic_ms) -> None:
         self.name = name
         self.journal = journal
         self.clock = clock
