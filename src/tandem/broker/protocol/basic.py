@@ -313,7 +313,11 @@ def publish_complete(conn: Connection, ch: Channel, body: bytes | list[bytes]) -
     msg.ts = ch.vhost.clock()
     if ch.confirm:
         ch.publish_seq += 1
-    if REPLY_TO_BYTES in msg.props or (ex.name == "" and msg.routing_key.startswith(REPLY_TO)):
+    # find, not `in`: `bytes in bytes` first tries the needle as an int, and raises and
+    # clears a TypeError each time.
+    if msg.props.find(REPLY_TO_BYTES) != -1 or (
+        ex.name == "" and msg.routing_key.startswith(REPLY_TO)
+    ):
         try:
             if direct_reply(conn, ch, msg, ch.pub_mandatory):
                 return

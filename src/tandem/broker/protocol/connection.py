@@ -65,6 +65,7 @@ FEED_FRAMES: Final = 384
 READ_INITIAL: Final = 16 * 1024
 READ_MAX: Final = 256 * 1024
 READ_LOW: Final = 4096
+SMALL_BODY: Final = 1024  # body frames up to this size leave the read buffer by a slice (_frames)
 
 SERVER_CAPABILITIES: Final = {
     "publisher_confirms": True,
@@ -347,8 +348,15 @@ class Connection:
                         raise errors.FrameError(f"content header of {size} bytes is too short")
                     basic.content_header(self, ch, buf, start, end)
                 elif ftype == 3:
-                    # The one copy of a body out of the read buffer.
-                    basic.content_body(self, ch, bytes(memoryview(buf)[start:end]))
+                    # The one copy of a body out of the read buffer; a small one by way of a
+                    # slice (two copies of a few bytes cost less than a memoryview's setup).
+                    basic.content_body(
+                        self,
+                        ch,
+                        bytes(buf[start:end])
+                        if size <= SMALL_BODY
+                        else bytes(memoryview(buf)[start:end]),
+                    )
                 elif ftype == 8:
                     if ch != 0:
                         raise errors.FrameError("heartbeat frame on a non-zero channel")
