@@ -313,9 +313,9 @@ def publish_complete(conn: Connection, ch: Channel, body: bytes | list[bytes]) -
     msg.ts = ch.vhost.clock()
     if ch.confirm:
         ch.publish_seq += 1
-    # find, not `in`: `bytes in bytes` first tries the needle as an int, and raises and
-    # clears a TypeError each time.
-    if msg.props.find(REPLY_TO_BYTES) != -1 or (
+    # Only a message with a reply-to property is searched for one (find, not `in`: `bytes in
+    # bytes` first tries the needle as an int, and raises and clears a TypeError each time).
+    if (flags & message_mod.F_REPLY_TO and msg.props.find(REPLY_TO_BYTES) != -1) or (
         ex.name == "" and msg.routing_key.startswith(REPLY_TO)
     ):
         try:
