@@ -52,6 +52,11 @@ _read_hdr: Final = REC_HDR.unpack_from
 _read_meta: Final = REC_META.unpack_from
 _read_u16: Final = STR16.unpack_from
 _read_u32: Final = U32.unpack_from
+_pack_hdr: Final = REC_HDR.pack
+_pack_meta: Final = REC_META.pack
+_pack_u32: Final = U32.pack
+_pack_u64: Final = U64.pack
+_pack_id: Final = _ID.pack
 ID_SIZE: Final[int] = _ID.size
 U64_SIZE: Final[int] = U64.size
 
@@ -110,17 +115,17 @@ def frame(
 ) -> bytes:
     """A record's frame; `payload` may come as parts (`enqueue_parts`), joined here."""
     flags = (DURABLE if durable else 0) | (MORE if more else 0)
-    meta = REC_META.pack(rtype | flags, epoch, offset)
+    meta = _pack_meta(rtype | flags, epoch, offset)
     if isinstance(payload, list):
         crc, size = checksum(meta), len(meta)
         for part in payload:
             crc, size = checksum(part, crc), size + len(part)
-        return b"".join((REC_HDR.pack(WRITTEN, size, crc), meta, *payload))
+        return b"".join((_pack_hdr(WRITTEN, size, crc), meta, *payload))
     if len(payload) < BIG:
         rest = meta + payload
-        return REC_HDR.pack(WRITTEN, len(rest), checksum(rest)) + rest
+        return _pack_hdr(WRITTEN, len(rest), checksum(rest)) + rest
     crc = checksum(payload, checksum(meta))  # over both, without joining them first
-    return b"".join((REC_HDR.pack(WRITTEN, len(meta) + len(payload), crc), meta, payload))
+    return b"".join((_pack_hdr(WRITTEN, len(meta) + len(payload), crc), meta, payload))
 
 
 def head(data: bytes | memoryview) -> tuple[int, int, int, bool]:
@@ -442,14 +447,14 @@ def enqueue_parts(where: bytes, msg: Message) -> list[bytes]:
     chunks = [body] if isinstance(body, bytes) else body
     return [
         where,
-        U64.pack(message_id & OFFSET_MASK),
-        U32.pack(len(route)),
+        _pack_u64(message_id & OFFSET_MASK),
+        _pack_u32(len(route)),
         route,
-        U32.pack(len(props)),
+        _pack_u32(len(props)),
         props,
-        U32.pack(msg.body_size),
+        _pack_u32(msg.body_size),
         *chunks,
-        U32.pack(message_id >> OFFSET_BITS),
+        _pack_u32(message_id >> OFFSET_BITS),
     ]
 
 
@@ -459,7 +464,7 @@ def key(vhost: str, queue: str, message_id: int) -> bytes:
 
 
 def key_at(where: bytes, message_id: int) -> bytes:
-    return where + _ID.pack(message_id & OFFSET_MASK, message_id >> OFFSET_BITS)
+    return where + _pack_id(message_id & OFFSET_MASK, message_id >> OFFSET_BITS)
 
 
 # A place's names, by its bytes: every record of a queue begins with the same place, and a

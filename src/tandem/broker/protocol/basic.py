@@ -17,7 +17,6 @@ from tandem.broker.protocol.channel import REPLY_TO, REPLY_TO_BYTES, Channel, Co
 from tandem.broker.protocol.frames import (
     FRAME_END_BYTE,
     FRAME_HDR,
-    HEADER_PAYLOAD,
     U64_U8,
 )
 from tandem.broker.protocol.queue import queue_name
@@ -229,7 +228,7 @@ def content_header(
         raise errors.UnexpectedFrame(f"unexpected content header frame on channel {number}")
     class_id: int
     size: int
-    class_id, _weight, size = HEADER_PAYLOAD.unpack_from(buf, start)
+    class_id, _weight, size = frames.read_header_payload(buf, start)
     if class_id != 60:
         raise errors.FrameError(f"content header for class {class_id}, expected 60")
     if size > conn.limits.max_message_size:

@@ -15,11 +15,7 @@ from tandem.broker.model.queue import Queue
 from tandem.broker.model.vhost import VirtualHost
 from tandem.broker.protocol import frames
 from tandem.broker.protocol.frames import (
-    CONTENT_HDR,
     FRAME_END_BYTE,
-    FRAME_HDR,
-    METHOD_HDR,
-    U64_U8,
 )
 
 if TYPE_CHECKING:
@@ -131,21 +127,21 @@ class Channel:
         ctag = consumer.tag_enc
         msize = 13 + len(ctag) + len(route)
         parts: list[bytes | memoryview] = [
-            METHOD_HDR.pack(1, ch, msize, 60, 60),
+            frames.pack_method_hdr(1, ch, msize, 60, 60),
             ctag,
-            U64_U8.pack(tag, msg.redelivered),
+            frames.pack_u64_u8(tag, msg.redelivered),
             route,
             FRAME_END_BYTE,
         ]
         if isinstance(body, bytes) and len(body) <= conn.frame_max - 8:
             # One header frame and at most one body frame: the common case, inline.
             parts += (
-                CONTENT_HDR.pack(2, ch, 12 + len(props), 60, 0, msg.body_size),
+                frames.pack_content_hdr(2, ch, 12 + len(props), 60, 0, msg.body_size),
                 props,
                 FRAME_END_BYTE,
             )
             if body:
-                parts += (FRAME_HDR.pack(3, ch, len(body)), body, FRAME_END_BYTE)
+                parts += (frames.pack_frame_hdr(3, ch, len(body)), body, FRAME_END_BYTE)
         else:
             parts += frames.content_frames(ch, props, body, msg.body_size, conn.frame_max)
         if self.held:

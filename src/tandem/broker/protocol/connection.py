@@ -578,7 +578,7 @@ class Connection:
     def _method(self, ch: int, buf: bytes | bytearray, start: int, end: int) -> None:
         class_id: int
         method_id: int
-        class_id, method_id = METHOD_IDS.unpack_from(buf, start)
+        class_id, method_id = frames.read_method_ids(buf, start)
         if ch:
             channel = self.channels.get(ch)
             if channel is not None and class_id == 60:

@@ -29,6 +29,14 @@ CONTENT_HDR: Final = struct.Struct(">BHIHHQ")
 HEADER_PAYLOAD: Final = struct.Struct(">HHQ")
 U64_U8: Final = struct.Struct(">QB")
 U32_U32: Final = struct.Struct(">II")
+# The hot path's packers and readers, bound once: compiled code calls a bound method
+# directly, where FRAME_HDR.pack(...) looks `pack` up on each call.
+pack_frame_hdr: Final = FRAME_HDR.pack
+pack_method_hdr: Final = METHOD_HDR.pack
+pack_content_hdr: Final = CONTENT_HDR.pack
+pack_u64_u8: Final = U64_U8.pack
+read_method_ids: Final = METHOD_IDS.unpack_from
+read_header_payload: Final = HEADER_PAYLOAD.unpack_from
 
 HEARTBEAT_FRAME: Final = b"\x08\x00\x00\x00\x00\x00\x00\xce"
 
@@ -72,7 +80,7 @@ def content_frames(
     """The header and body frames for a message (used outside the single-chunk fast path);
     a body longer than a frame is cut as views of it, copied once when the frames are joined."""
     out: list[bytes | memoryview] = [
-        CONTENT_HDR.pack(FRAME_HEADER, channel, 12 + len(props), BASIC, 0, body_size),
+        pack_content_hdr(FRAME_HEADER, channel, 12 + len(props), BASIC, 0, body_size),
         props,
         FRAME_END_BYTE,
     ]
@@ -81,12 +89,12 @@ def content_frames(
     for chunk in chunks:
         if len(chunk) <= limit:
             if chunk:
-                out += (FRAME_HDR.pack(FRAME_BODY, channel, len(chunk)), chunk, FRAME_END_BYTE)
+                out += (pack_frame_hdr(FRAME_BODY, channel, len(chunk)), chunk, FRAME_END_BYTE)
             continue
         view = memoryview(chunk)
         for start in range(0, len(chunk), limit):
             piece = view[start : start + limit]
-            out += (FRAME_HDR.pack(FRAME_BODY, channel, len(piece)), piece, FRAME_END_BYTE)
+            out += (pack_frame_hdr(FRAME_BODY, channel, len(piece)), piece, FRAME_END_BYTE)
     return out
 
 
@@ -97,20 +105,20 @@ def queue_declare_ok(channel: int, queue: str, messages: int, consumers: int) ->
     payload = (
         METHOD_IDS.pack(50, 11) + bytes((len(name),)) + name + U32_U32.pack(messages, consumers)
     )
-    return FRAME_HDR.pack(FRAME_METHOD, channel, len(payload)) + payload + FRAME_END_BYTE
+    return pack_frame_hdr(FRAME_METHOD, channel, len(payload)) + payload + FRAME_END_BYTE
 
 
 def basic_ack_frame(channel: int, tag: int, multiple: bool) -> bytes:
     return (
-        METHOD_HDR.pack(FRAME_METHOD, channel, 13, BASIC, BASIC_ACK)
-        + U64_U8.pack(tag, 1 if multiple else 0)
+        pack_method_hdr(FRAME_METHOD, channel, 13, BASIC, BASIC_ACK)
+        + pack_u64_u8(tag, 1 if multiple else 0)
         + FRAME_END_BYTE
     )
 
 
 def basic_nack_frame(channel: int, tag: int, multiple: bool) -> bytes:
     return (
-        METHOD_HDR.pack(FRAME_METHOD, channel, 13, BASIC, 120)
-        + U64_U8.pack(tag, 1 if multiple else 0)
+        pack_method_hdr(FRAME_METHOD, channel, 13, BASIC, 120)
+        + pack_u64_u8(tag, 1 if multiple else 0)
         + FRAME_END_BYTE
     )
