@@ -892,8 +892,9 @@ _MID: Final = operator.attrgetter("mid")
 # A copy is made on another thread, and a thread lets the loop run only between bytecodes:
 # a set built from two million ids in one call held the loop 0.2-0.4 s. Such calls take
 # this many at a time, and between them the thread gives the loop its turn (`give_way`,
-# which counts the work: a queue or page of a few messages is not a turn of its own).
-_SLICE: Final = 1 << 16
+# which counts the work: a queue or page of a few messages is not a turn of its own). Not
+# Final, as the other constants are: a test makes it small to cross slices.
+_SLICE = 1 << 16
 
 
 _BIG: Final = array.array("H", [1]).tobytes() == b"\x00\x01"

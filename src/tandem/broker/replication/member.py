@@ -53,8 +53,8 @@ from tandem.ha.model import ElectionRecord, Role
 
 log = logging.getLogger(__name__)
 
-# Not Final, as the other constants are, SLOW_BYTES, FLOW_RECORDS and HANDSHAKE_SECONDS:
-# tests set them small.
+# SLOW_BYTES, FLOW_RECORDS and HANDSHAKE_SECONDS are not Final, as this module's other
+# constants are: tests set them small.
 SLOW_BYTES = 64 << 20  # unsent bytes to one follower before it is cut off
 # Records or bytes a primary holds that are not yet confirmed, before its publishers are read
 # no more: half of what gets a follower dropped from the ISR (ha.model.Settings's
