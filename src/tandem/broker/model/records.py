@@ -431,7 +431,24 @@ def enqueue(vhost: str, queue: str, msg: Message) -> bytes:
 
 def enqueue_at(where: bytes, msg: Message) -> bytes:
     """An ENQUEUE payload of the queue at `where` (see `place`), joined."""
-    return b"".join(enqueue_parts(where, msg))
+    body = msg.body
+    if not isinstance(body, bytes):
+        return b"".join(enqueue_parts(where, msg))
+    # The same parts as enqueue_parts, but as one tuple and with one pack fewer: a list
+    # built with a splat costs more than the joined bytes of a small message.
+    route, props, message_id = msg.route, msg.props, msg.mid
+    return b"".join(
+        (
+            where,
+            _pack_enq(message_id & OFFSET_MASK, len(route)),
+            route,
+            _pack_u32(len(props)),
+            props,
+            _pack_u32(msg.body_size),
+            body,
+            _pack_u32(message_id >> OFFSET_BITS),
+        )
+    )
 
 
 def enqueue_size(where: bytes, msg: Message) -> int:
@@ -533,6 +550,7 @@ def read_key(data: bytes) -> tuple[str, str, int]:
 
 _ENQ: Final = struct.Struct(">QI")  # an enqueue's offset and route length, after its place
 _read_enq: Final = _ENQ.unpack_from
+_pack_enq: Final = _ENQ.pack
 _ENQ_SIZE: Final[int] = _ENQ.size
 
 
