@@ -336,11 +336,7 @@ class BrokerLog:
     def _take(self, data: bytes) -> None:
         """Store, apply and keep one of the primary's frames. A message record is read once,
         for the store's index and for apply; the others take the general path."""
-        flags: int
-        epoch: int
-        offset: int
-        flags, epoch, offset = records.REC_META.unpack_from(data, records.HDR_SIZE)
-        rtype = flags & records.TYPE_MASK
+        rtype, epoch, offset, durable = records.head(data)
         sequencer, store = self.sequencer, self.store
         bounds = sequencer.boundaries
         if store is not None and (not bounds or bounds[-1][0] != epoch):
@@ -349,13 +345,15 @@ class BrokerLog:
         if rtype in _MESSAGE_RECORDS and (
             self.drop_enqueues_to is None or rtype != records.ENQUEUE
         ):
-            self._take_message(data, rtype, epoch, offset, flags & records.DURABLE)
+            self._take_message(data, rtype, epoch, offset, durable)
         else:
-            self._take_other(data, rtype, epoch, offset, bool(flags & records.DURABLE))
+            self._take_other(data, rtype, epoch, offset, durable)
         sequencer.follow(epoch, offset)
         self.keep(offset, data)
 
-    def _take_message(self, data: bytes, rtype: int, epoch: int, offset: int, durable: int) -> None:
+    def _take_message(
+        self, data: bytes, rtype: int, epoch: int, offset: int, durable: bool
+    ) -> None:
         payload = data[records.HEADER :]
         try:
             if rtype == records.ENQUEUE:
