@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tandem.broker.model import apply, records
+from tandem.broker.model import apply, message, records
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
+from tandem.broker.model.message import Message
 from tandem.broker.store.log import Store
 
 
@@ -25,6 +26,22 @@ def test_records_round_trip() -> None:
     assert found == [(records.DEFINE, 3, 10, b"a"), (records.ENQUEUE, 3, 11, b"bb")]
     assert (end, corrupt, torn) == (len(data), [], False)
     assert records.head(data) == (records.DEFINE, 3, 10, True)
+
+
+@pytest.mark.parametrize("body", [b"", b"small body", [b"a body ", b"in ", b"chunks"]])
+def test_an_enqueue_payload_is_the_same_joined_at_once_or_from_its_parts(
+    body: bytes | list[bytes],
+) -> None:
+    """enqueue_at writes a small message's payload itself (one tuple, not enqueue_parts'
+    list): both lay out the same fields, and read back as the message."""
+    size = len(body) if isinstance(body, bytes) else sum(map(len, body))
+    msg = Message("ex", "rk", message.encode_route("ex", "rk"), b"\x10\x00\x02", body, size)
+    msg.mid = records.mid(7, 12345)
+    where = records.place("/", "q")
+    joined = records.enqueue_at(where, msg)
+    assert joined == b"".join(records.enqueue_parts(where, msg))
+    whole = body if isinstance(body, bytes) else b"".join(body)
+    assert records.read_enqueue(joined) == ("/", "q", msg.mid, msg.route, msg.props, whole)
 
 
 def test_torn_tail_is_reported() -> None:
