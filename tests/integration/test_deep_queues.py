@@ -167,6 +167,33 @@ def test_a_restart_loads_a_checkpoint_and_replays_only_the_log_after_it(broker_f
     assert got == list(range(1001, 3000)) + list(range(20))
 
 
+def test_a_queue_left_alone_between_checkpoints_is_whole_after_kill_9(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    """While "busy" is published to and consumed, "deep" stays as it was: the checkpoints
+    after the first name it by their part of that one (`Store.sections`), and "busy" anew
+    each time. A start after kill -9 brings back both as they were."""
+    broker = broker_factory(CHECKPOINTS)
+    publish_confirmed(broker, "deep", 1200, size=1024)
+    conn = pika.BlockingConnection(pika.URLParameters(broker.url()))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("busy", durable=True)
+    persistent = pika.BasicProperties(delivery_mode=2)
+    for i in range(1500):  # 3,000 records: checkpoints every 500
+        ch.basic_publish("", "busy", str(i).encode(), persistent)
+        if i % 3:  # one in three stays
+            m, _p, _b = ch.basic_get("busy")
+            ch.basic_ack(m.delivery_tag)
+    ch.queue_declare("busy", durable=True, passive=True)  # answered once the acks are on disk
+    conn.close()
+    assert checkpoints_written(broker) >= 1
+    broker.kill()
+    broker.start()
+    named, replayed = recovered(broker)
+    assert named > 1200 and replayed < 3000
+    assert numbers(consume_all(broker, "deep")) == list(range(1200))
+    assert numbers(consume_all(broker, "busy")) == list(range(1000, 1500))
+
+
 def test_a_clean_stop_checkpoints_and_the_next_start_replays_nothing(broker_factory) -> None:  # type: ignore[no-untyped-def]
     broker = broker_factory(CHECKPOINTS)
     publish_confirmed(broker, "deep", 1200, size=1024)

@@ -31,6 +31,8 @@ follower pins the pages it reads on its own thread (`pin`, `read_copy`).
 Checkpoints: a node (lone or a cluster member) writes `<data_dir>/log/checkpoint` every
 `checkpoint_records` durable records, or every quarter as many as the last one named messages
 in memory when that is more (a checkpoint costs in proportion to them), once they are on disk.
+A queue whose messages and their places did not change since the last checkpoint is named by
+its part of that one, as it was: only the queues that changed cost their messages again.
 It holds the state at one point of the log (the resume point):
 the position and epochs, the durable definitions (as a SNAPSHOT restates them), and where
 each live message's record is (the `where` index, the pages, the requeued marks). Recovery
@@ -194,11 +196,13 @@ class Store:
         self.checkpoint_records = checkpoint_records  # 0: no checkpoints
         self.since_checkpoint = 0
         # Records until the next checkpoint: checkpoint_records, or a quarter of the
-        # messages in memory the last one named, whichever is more. A checkpoint costs about
-        # 1.3 µs per message it names (a million: 1.3 s of the writer thread's time, the GIL
-        # shared with the loop): this keeps it under about 5 µs a record. A restart, which
-        # reads those messages, replays at most about a quarter as many records after them
-        # (a lone node's head in memory is some 230,000 messages: nearly every 50,000 still).
+        # messages in memory the last one named anew (and a sixteenth of those it named by
+        # an earlier part, `PASSED_BY`), whichever is more. A checkpoint costs about 1.3 µs
+        # per message it names anew (a million: 1.2-1.3 s of the writer thread's time, the
+        # GIL shared with the loop): this keeps it under about 5 µs a record. A restart,
+        # which reads those messages, replays at most about a quarter as many records after
+        # them (a lone node's head in memory is some 230,000 messages: nearly every 50,000
+        # still); a sixteenth of a deep queue that did not change.
         self.checkpoint_due = checkpoint_records
         self.checkpoint_scheduled = False
         # One is being made: the next waits for it to end. Two at once shared the GIL with
@@ -206,6 +210,11 @@ class Store:
         self.checkpoint_running = False
         self.checkpoints_made = 0  # the newest checkpoint written wins, whichever thread ends first
         self.checkpoint_written = 0
+        # Each queue's part of the last checkpoint written (`_Section`), and the queues whose
+        # messages or their places changed since the last capture: a checkpoint names a
+        # queue that did not change with its part of an earlier one, which costs nothing.
+        self.sections: dict[tuple[str, str], _Section] = {}
+        self.changed: set[tuple[str, str]] = set()
         self.pending = _Batch()
         self.inflight: _Batch | None = None
         self.flush_scheduled = False
@@ -246,11 +255,13 @@ class Store:
             self.where[key] = (self.active << AT_BITS) | self.active_size
             self.segments[self.active] += 1
             self.enqueued[self.active] += 1
+            self._change(key)
         elif rtype == records.DEQUEUE and key is not None:
             at = self.where.pop(key, None)
             if at is None:
                 return  # its enqueue is gone from the log: nothing to cancel
             self.segments[at >> AT_BITS] -= 1
+            self._change(key)
             if self.marked:
                 self.marked.discard(key)
         elif rtype == records.MARK and key is not None:
@@ -260,6 +271,12 @@ class Store:
             self.since_checkpoint += 1
             if self.since_checkpoint >= self.checkpoint_due:
                 self._checkpoint_soon()
+
+    def _change(self, key: Key) -> None:
+        """The messages of `key`'s queue, or where they are, changed: the next checkpoint
+        names them anew (`_captured`)."""
+        if self.sections or self.checkpoint_running:
+            self.changed.add((key[0], key[1]))
 
     def forget_queue(self, vhost: str, queue: str) -> None:
         self._forget({(vhost, queue)})
@@ -282,6 +299,7 @@ class Store:
 
     def _forget(self, queues: set[tuple[str, str]]) -> None:
         """The messages of `queues` are no longer live: one pass over the index."""
+        self.changed |= queues
         for key in [k for k in self.where if (k[0], k[1]) in queues]:
             self.segments[self.where.pop(key) >> AT_BITS] -= 1
             self.marked.discard(key)
@@ -313,6 +331,7 @@ class Store:
                 return None
             ats.append(at)
         page = Page(key, len(msgs), sum(m.body_size for m in msgs), msgs[0].mid, msgs[-1].mid)
+        self.changed.add(key)
         if self.keep_ids:
             page.ids = pack_ids([m.mid for m in msgs])
         extents: list[list[int]] = []
@@ -380,6 +399,7 @@ class Store:
         if pages is None or page not in pages:
             return
         pages.discard(page)
+        self.changed.add(page.key)
         if not pages:
             del self.pages[page.key]
         for seg in page.segs:
@@ -469,6 +489,8 @@ class Store:
         # that may be below the old log's end (a member that went past the agreement point).
         self.handed = self._synced = 0
         self.checkpoint_due = self.checkpoint_records
+        self.sections.clear()
+        self.changed.clear()
         self.where.clear()
         self.pages.clear()
         self.pinned.clear()
@@ -671,6 +693,7 @@ class Store:
             self.where[key] = (self.active << AT_BITS) | self.active_size
             self.segments[self.active] += 1
             self.enqueued[self.active] += 1
+            self._change(key)
             self._append(records.frame(records.ENQUEUE, epoch, offset, payload))
             moved += 1
         return good_end, moved
@@ -924,12 +947,21 @@ class Store:
             assert self.loop is not None
             self.loop.call_soon(self.checkpoint)  # once the change under way is whole
 
-    def _checkpoint_ended(self, done: asyncio.Future[bool], started: float) -> None:
+    def _checkpoint_ended(
+        self,
+        done: asyncio.Future[dict[tuple[str, str], _Section] | None],
+        started: float,
+        generation: int,
+    ) -> None:
         self.checkpoint_running = False
         if not done.cancelled() and done.exception() is not None:
             log.warning("a checkpoint was not written: %s", done.exception())
-        elif not done.cancelled() and done.result():
+        elif not done.cancelled() and (made := done.result()) is not None:
             self.checkpoint_seconds(time.monotonic() - started)
+            # Each is the queue's part as it was at the capture; one that changed since is
+            # in `changed`, and the next capture drops it. A log reset since names nothing.
+            if generation == self.generation:
+                self.sections.update(made)
         if self.since_checkpoint >= self.checkpoint_due and not self.closed:
             self._checkpoint_soon()
 
@@ -945,7 +977,6 @@ class Store:
             return  # checkpoints are off
         if self.broker is None or self.sequencer is None or self.loop is None or self.closed:
             return
-        self.checkpoint_due = max(self.checkpoint_records, len(self.where) // DUE_SHARE)
         self.checkpoints_made += 1
         # The capture refers to every live message and index key until its bytes are made,
         # and a collection meanwhile walked all of it, on the loop: 0.3-0.5 s with a million
@@ -958,18 +989,31 @@ class Store:
         gc.collect(1)
         state, number, generation = self._captured(), self.checkpoints_made, self.generation
         gc.freeze()
+        # Records until the next: as many as it costs. A message in memory it names anew
+        # counts one, one it names by an earlier checkpoint's part a quarter (it is only
+        # passed by in the index, `_split_where`).
+        kept = sum(section.indexed for section in state.reused.values())
+        again = len(self.where) - kept
+        self.checkpoint_due = max(
+            self.checkpoint_records, again // DUE_SHARE + kept // (DUE_SHARE * PASSED_BY)
+        )
         loop = self.loop
         self.checkpoint_running = True
 
         def write() -> None:
             made = loop.run_in_executor(None, self._write_checkpoint, state, number, generation)
-            made.add_done_callback(lambda done: self._checkpoint_ended(done, started))
+            made.add_done_callback(lambda done: self._checkpoint_ended(done, started, generation))
 
         self.when_synced(write)
 
     def _captured(self) -> _Captured:
         assert self.broker is not None and self.sequencer is not None
         sequencer = self.sequencer
+        sections = self.sections
+        for key in self.changed:
+            sections.pop(key, None)
+        self.changed = set()
+        reused = dict(sections)
         pages = [
             (
                 key,
@@ -989,6 +1033,7 @@ class Store:
                 [dict(p.only) for p in key_pages if p.only is not None],
             )
             for key, key_pages in self.pages.items()
+            if key not in reused
         ]
         head = {
             "epoch": sequencer.epoch,
@@ -1008,22 +1053,26 @@ class Store:
         if self.page_bytes:
             for vh in self.broker.vhosts.values():
                 for q in vh.queues.values():
-                    if q.pageable and q.messages:
+                    if q.pageable and q.messages and (vh.name, q.name) not in reused:
                         heads.append(((vh.name, q.name), list(q.messages)))
-        return _Captured(head, [dict(shard) for shard in self.where.shards], pages, heads)
+        where = [dict(shard) for shard in self.where.shards]
+        return _Captured(head, where, pages, heads, reused)
 
-    def _write_checkpoint(self, state: _Captured, number: int, generation: int) -> bool:
-        """Write the checkpoint; False when it is not (stopped, the log reset since, or a
-        newer one written already)."""
+    def _write_checkpoint(
+        self, state: _Captured, number: int, generation: int
+    ) -> dict[tuple[str, str], _Section] | None:
+        """Write the checkpoint, and return each queue's part of it; None when it is not
+        written (stopped, the log reset since, or a newer one written already)."""
         if generation != self.generation or number <= self.checkpoint_written:
-            return False
-        data = _checkpoint_bytes(state)  # without the lock: the writer goes on meanwhile
+            return None
+        made: dict[tuple[str, str], _Section] = {}
+        data = _checkpoint_bytes(state, made)  # without the lock: the writer goes on meanwhile
         with self.lock:
             if self.closed or generation != self.generation or number <= self.checkpoint_written:
-                return False
+                return None
             replace_file(self.dir / "checkpoint", data, durable=self.fsync)
             self.checkpoint_written = number
-        return True
+        return made
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
         path = self.dir / "checkpoint"
@@ -1507,9 +1556,24 @@ class _Captured:
     pages: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]]
     # Each queue that pages: its head, in order.
     heads: list[tuple[tuple[str, str], list[Message]]] = field(default_factory=list)
+    # The queues that did not change since an earlier checkpoint: named by their part of it.
+    reused: dict[tuple[str, str], _Section] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Section:
+    """A queue's part of a checkpoint: its JSON object, and how many entries of the `where`
+    index it names."""
+
+    text: bytes
+    indexed: int
 
 
 DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages it names (`write`)
+# A message that a checkpoint names by an earlier one's part (`_Section`) costs this many
+# times less than one it names anew: it is passed by in the index. A million messages in
+# memory: 0.3 s of the thread's time, against 1.2 s.
+PASSED_BY: Final = 4
 # Messages between two turns given to the loop (`give_way`): 8-30 ms of work. Fewer gave
 # the loop more of the GIL and the checkpoint less: with 1,024, a lone node filling 2,000,000
 # messages ran 1.3 times as fast, but the checkpoint written lagged, and a restart after
@@ -1537,10 +1601,14 @@ def give_way(work: int = YIELD_EVERY) -> None:
         time.sleep(GIVE_WAY_SECONDS)
 
 
-def _checkpoint_bytes(state: _Captured) -> bytes:
+def _checkpoint_bytes(state: _Captured, made: dict[tuple[str, str], _Section]) -> bytes:
     """A checkpoint's bytes, on the writer's thread: every YIELD_EVERY messages it gives the
-    loop its turn (`give_way`)."""
+    loop its turn (`give_way`). Each queue's part made anew goes into `made`; a queue in
+    `state.reused` is named by the part it had."""
     by_queue, head_places = _split_where(state)
+    indexed = {key: len(rows[0]) for key, rows in by_queue.items()}
+    for key, in_head in head_places.items():
+        indexed[key] = indexed.get(key, 0) + len(in_head)
     runs = _head_runs(state, head_places)
     # No head page's range holds an id named one by one, nor one of a page read back.
     read_back: dict[tuple[str, str], list[int]] = {}
@@ -1575,29 +1643,32 @@ def _checkpoint_bytes(state: _Captured) -> bytes:
                 held[2].append(at)
     # The JSON is put together here: json.dumps scanned every character of the arrays'
     # base64 (which needs no escapes), 150 ms with a million messages, holding the GIL.
-    head = json.dumps(state.head, separators=(",", ":")).encode()
-    parts = [head[:-1], b',"queues":[']
-    for i, (key, (offsets, epochs, places)) in enumerate(by_queue.items()):
+    texts = []
+    for key, (offsets, epochs, places) in by_queue.items():
         give_way(1)
-        parts += [
-            b"," if i else b"",
-            b'{"vhost":',
-            json.dumps(key[0]).encode(),
-            b',"queue":',
-            json.dumps(key[1]).encode(),
-            # Ids as (offset, epoch) and places, as arrays: a queue may hold millions.
-            b',"offsets":"',
-            *_packed("Q", offsets),
-            b'","epochs":"',
-            *_packed("L", epochs),
-            b'","at":"',
-            *_packed("Q", places),
-            b'","pages":[',
-            *_dumped(pages.get(key, [])),
-            b"]}",
-        ]
-    parts.append(b"]}")
-    text = b"".join(parts)
+        section = b"".join(
+            [
+                b'{"vhost":',
+                json.dumps(key[0]).encode(),
+                b',"queue":',
+                json.dumps(key[1]).encode(),
+                # Ids as (offset, epoch) and places, as arrays: a queue may hold millions.
+                b',"offsets":"',
+                *_packed("Q", offsets),
+                b'","epochs":"',
+                *_packed("L", epochs),
+                b'","at":"',
+                *_packed("Q", places),
+                b'","pages":[',
+                *_dumped(pages.get(key, [])),
+                b"]}",
+            ]
+        )
+        made[key] = _Section(section, indexed.get(key, 0))
+        texts.append(section)
+    texts += [section.text for section in state.reused.values()]
+    head = json.dumps(state.head, separators=(",", ":")).encode()
+    text = b"".join([head[:-1], b',"queues":[', b",".join(texts), b"]}"])
     return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
 
 
@@ -1612,6 +1683,7 @@ def _split_where(
     YIELD_EVERY of them, whichever they are."""
     by_queue: dict[tuple[str, str], Rows] = {}
     head_places: dict[tuple[str, str], dict[int, int]] = {key: {} for key, _m in state.heads}
+    reused = state.reused
     current: tuple[str, str] | None = None
     into: dict[int, int] | None = None
     rows: Rows | None = None
@@ -1624,7 +1696,10 @@ def _split_where(
             if current is None or vhost != current[0] or queue != current[1]:
                 current = (vhost, queue)  # the same queue's entries, mostly: one look each
                 into = head_places.get(current)
-                rows = None if into is not None else by_queue.setdefault(current, ([], [], []))
+                if into is not None or current in reused:
+                    rows = None  # a queue named by an earlier checkpoint's part: passed by
+                else:
+                    rows = by_queue.setdefault(current, ([], [], []))
             if into is not None:
                 into[mid] = at
             elif rows is not None:
