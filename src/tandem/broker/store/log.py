@@ -196,13 +196,12 @@ class Store:
         self.checkpoint_records = checkpoint_records  # 0: no checkpoints
         self.since_checkpoint = 0
         # Records until the next checkpoint: checkpoint_records, or a quarter of the
-        # messages in memory the last one named anew (and a sixteenth of those it named by
-        # an earlier part, `PASSED_BY`), whichever is more. A checkpoint costs about 1.3 µs
-        # per message it names anew (a million: 1.2-1.3 s of the writer thread's time, the
-        # GIL shared with the loop): this keeps it under about 5 µs a record. A restart,
-        # which reads those messages, replays at most about a quarter as many records after
-        # them (a lone node's head in memory is some 230,000 messages: nearly every 50,000
-        # still); a sixteenth of a deep queue that did not change.
+        # messages in memory the last one named, whichever is more. A checkpoint costs about
+        # 1.3 µs per message it names anew (a million: 1.2-1.3 s of the writer thread's time,
+        # the GIL shared with the loop), a quarter of that for one it names by an earlier
+        # part (`sections`): this keeps it under about 5 µs a record. A restart, which reads
+        # those messages, replays at most about a quarter as many records after them (a
+        # lone node's head in memory is some 230,000 messages: nearly every 50,000 still).
         self.checkpoint_due = checkpoint_records
         self.checkpoint_scheduled = False
         # One is being made: the next waits for it to end. Two at once shared the GIL with
@@ -977,6 +976,7 @@ class Store:
             return  # checkpoints are off
         if self.broker is None or self.sequencer is None or self.loop is None or self.closed:
             return
+        self.checkpoint_due = max(self.checkpoint_records, len(self.where) // DUE_SHARE)
         self.checkpoints_made += 1
         # The capture refers to every live message and index key until its bytes are made,
         # and a collection meanwhile walked all of it, on the loop: 0.3-0.5 s with a million
@@ -989,14 +989,6 @@ class Store:
         gc.collect(1)
         state, number, generation = self._captured(), self.checkpoints_made, self.generation
         gc.freeze()
-        # Records until the next: as many as it costs. A message in memory it names anew
-        # counts one, one it names by an earlier checkpoint's part a quarter (it is only
-        # passed by in the index, `_split_where`).
-        kept = sum(section.indexed for section in state.reused.values())
-        again = len(self.where) - kept
-        self.checkpoint_due = max(
-            self.checkpoint_records, again // DUE_SHARE + kept // (DUE_SHARE * PASSED_BY)
-        )
         loop = self.loop
         self.checkpoint_running = True
 
@@ -1562,18 +1554,12 @@ class _Captured:
 
 @dataclass(slots=True)
 class _Section:
-    """A queue's part of a checkpoint: its JSON object, and how many entries of the `where`
-    index it names."""
+    """A queue's part of a checkpoint: its JSON object."""
 
     text: bytes
-    indexed: int
 
 
 DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages it names (`write`)
-# A message that a checkpoint names by an earlier one's part (`_Section`) costs this many
-# times less than one it names anew: it is passed by in the index. A million messages in
-# memory: 0.3 s of the thread's time, against 1.2 s.
-PASSED_BY: Final = 4
 # Messages between two turns given to the loop (`give_way`): 8-30 ms of work. Fewer gave
 # the loop more of the GIL and the checkpoint less: with 1,024, a lone node filling 2,000,000
 # messages ran 1.3 times as fast, but the checkpoint written lagged, and a restart after
@@ -1606,9 +1592,6 @@ def _checkpoint_bytes(state: _Captured, made: dict[tuple[str, str], _Section]) -
     loop its turn (`give_way`). Each queue's part made anew goes into `made`; a queue in
     `state.reused` is named by the part it had."""
     by_queue, head_places = _split_where(state)
-    indexed = {key: len(rows[0]) for key, rows in by_queue.items()}
-    for key, in_head in head_places.items():
-        indexed[key] = indexed.get(key, 0) + len(in_head)
     runs = _head_runs(state, head_places)
     # No head page's range holds an id named one by one, nor one of a page read back.
     read_back: dict[tuple[str, str], list[int]] = {}
@@ -1664,7 +1647,7 @@ def _checkpoint_bytes(state: _Captured, made: dict[tuple[str, str], _Section]) -
                 b"]}",
             ]
         )
-        made[key] = _Section(section, indexed.get(key, 0))
+        made[key] = _Section(section)
         texts.append(section)
     texts += [section.text for section in state.reused.values()]
     head = json.dumps(state.head, separators=(",", ":")).encode()
