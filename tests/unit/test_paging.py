@@ -409,7 +409,7 @@ def ended(store: Store) -> None:
     assert store.loop is not None and store.checkpoint_running
     done: asyncio.Future[dict[tuple[str, str], Any] | None] = store.loop.create_future()
     done.set_result({})
-    store._checkpoint_ended(done, 0.0, store.generation)
+    store._checkpoint_ended(done, 0.0, store.generation, store.checkpoints_made)
 
 
 def test_a_checkpoint_due_while_one_is_being_made_waits_for_it(tmp_path: Path) -> None:
@@ -479,13 +479,15 @@ def held(broker: Broker) -> dict[str, list[int]]:
     return {name: bodies(q) for name, q in sorted(queues.items())}
 
 
+@pytest.mark.parametrize("page_bytes", [0, 1 << 20], ids=["one by one", "heads as pages"])
 def test_a_checkpoint_names_a_queue_that_did_not_change_by_its_part_of_the_last_one(
-    tmp_path: Path,
+    tmp_path: Path, page_bytes: int
 ) -> None:
     """A checkpoint costs each message it names (a million in memory: over a second of the
     thread's time), so a deep queue left alone is named by its part of the last checkpoint,
     as it was. Queues b (6 published) and c (4 consumed) changed in between and are named
-    anew: taken from the last checkpoint, a start would lose 6 and bring 4 back."""
+    anew: taken from the last checkpoint, a start would lose 6 and bring 4 back. With a
+    budget, each queue's head is named as pages of the log."""
     write_log(
         tmp_path,
         declare("a"),
@@ -495,7 +497,7 @@ def test_a_checkpoint_names_a_queue_that_did_not_change_by_its_part_of_the_last_
         enqueue(3, "b"),
         *(enqueue(i, "c") for i in (4, 5)),
     )
-    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    store, _broker = recover(tmp_path, page_bytes=page_bytes, checkpoint_records=1000)
     checkpointed(store)
     first = dict(store.sections)
     assert set(first) == {("/", "a"), ("/", "b"), ("/", "c")}
@@ -504,7 +506,7 @@ def test_a_checkpoint_names_a_queue_that_did_not_change_by_its_part_of_the_last_
     checkpointed(store)
     second = dict(store.sections)
     store.close()
-    store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    store, broker = recover(tmp_path, page_bytes=page_bytes, checkpoint_records=1000)
     assert held(broker) == {"a": [1, 2], "b": [3, 6], "c": [5]}
     assert second[("/", "a")] is first[("/", "a")]  # the same bytes, not made again
     assert all(second[("/", q)] is not first[("/", q)] for q in "bc")
@@ -566,3 +568,29 @@ def test_a_queue_that_paged_after_a_checkpoint_is_named_by_its_pages(tmp_path: P
     store.close()
     _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
     assert held(broker) == {"q": [1, 2, 3, 4, 5, 6]}
+
+
+def test_a_checkpoint_that_ends_after_a_later_capture_keeps_none_of_its_parts(
+    tmp_path: Path,
+) -> None:
+    """A member checkpoints at once after a copy reset its log, while the last checkpoint
+    may still be being made. The one that ends first must not end the run: a change while
+    the later one is made must be noted (or that one's part of the queue would be reused
+    after it), and its own parts, older than the later capture, must not be kept."""
+    write_log(tmp_path, declare("a"), enqueue(1, "a"))
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    assert store.loop is not None
+    store.checkpoints_made = 2  # the first captured, then the second
+    store.checkpoint_running = True
+    assert not store.sections
+    written(store, records.ENQUEUE, "a", 2, 2)
+    assert ("/", "a") in store.changed  # noted though no part is kept yet
+    store.changed.clear()
+    done: asyncio.Future[dict[tuple[str, str], Any] | None] = store.loop.create_future()
+    done.set_result({("/", "a"): log_mod._Section(b"{}")})
+    store._checkpoint_ended(done, 0.0, store.generation, 1)
+    assert store.checkpoint_running and not store.sections
+    written(store, records.ENQUEUE, "a", 3, 3)
+    assert ("/", "a") in store.changed
+    store._checkpoint_ended(done, 0.0, store.generation, 2)
+    assert not store.checkpoint_running and ("/", "a") in store.sections

@@ -951,17 +951,23 @@ class Store:
         done: asyncio.Future[dict[tuple[str, str], _Section] | None],
         started: float,
         generation: int,
+        number: int,
     ) -> None:
-        self.checkpoint_running = False
+        # A later capture may be under way (a member checkpoints at once after a copy reset
+        # its log): it alone ends the run, and its parts are the ones kept. This one's are
+        # older than its capture, which took the changes since out of `changed`.
+        newest = number == self.checkpoints_made
+        if newest:
+            self.checkpoint_running = False
         if not done.cancelled() and done.exception() is not None:
             log.warning("a checkpoint was not written: %s", done.exception())
         elif not done.cancelled() and (made := done.result()) is not None:
             self.checkpoint_seconds(time.monotonic() - started)
             # Each is the queue's part as it was at the capture; one that changed since is
             # in `changed`, and the next capture drops it. A log reset since names nothing.
-            if generation == self.generation:
+            if newest and generation == self.generation:
                 self.sections.update(made)
-        if self.since_checkpoint >= self.checkpoint_due and not self.closed:
+        if newest and self.since_checkpoint >= self.checkpoint_due and not self.closed:
             self._checkpoint_soon()
 
     def checkpoint(self) -> None:
@@ -994,7 +1000,9 @@ class Store:
 
         def write() -> None:
             made = loop.run_in_executor(None, self._write_checkpoint, state, number, generation)
-            made.add_done_callback(lambda done: self._checkpoint_ended(done, started, generation))
+            made.add_done_callback(
+                lambda done: self._checkpoint_ended(done, started, generation, number)
+            )
 
         self.when_synced(write)
 
