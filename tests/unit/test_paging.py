@@ -8,7 +8,6 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -407,7 +406,7 @@ def test_a_checkpoint_naming_many_messages_waits_for_a_quarter_as_many_records(
 def ended(store: Store) -> None:
     """The checkpoint being made is written (its executor's future done, on the loop)."""
     assert store.loop is not None and store.checkpoint_running
-    done: asyncio.Future[dict[tuple[str, str], Any] | None] = store.loop.create_future()
+    done: asyncio.Future[dict[tuple[str, str], bytes] | None] = store.loop.create_future()
     done.set_result({})
     store._checkpoint_ended(done, 0.0, store.generation, store.checkpoints_made)
 
@@ -586,8 +585,8 @@ def test_a_checkpoint_that_ends_after_a_later_capture_keeps_none_of_its_parts(
     written(store, records.ENQUEUE, "a", 2, 2)
     assert ("/", "a") in store.changed  # noted though no part is kept yet
     store.changed.clear()
-    done: asyncio.Future[dict[tuple[str, str], Any] | None] = store.loop.create_future()
-    done.set_result({("/", "a"): log_mod._Section(b"{}")})
+    done: asyncio.Future[dict[tuple[str, str], bytes] | None] = store.loop.create_future()
+    done.set_result({("/", "a"): b"{}"})
     store._checkpoint_ended(done, 0.0, store.generation, 1)
     assert store.checkpoint_running and not store.sections
     written(store, records.ENQUEUE, "a", 3, 3)

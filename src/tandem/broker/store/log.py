@@ -209,10 +209,10 @@ class Store:
         self.checkpoint_running = False
         self.checkpoints_made = 0  # the newest checkpoint written wins, whichever thread ends first
         self.checkpoint_written = 0
-        # Each queue's part of the last checkpoint written (`_Section`), and the queues whose
-        # messages or their places changed since the last capture: a checkpoint names a
-        # queue that did not change with its part of an earlier one, which costs nothing.
-        self.sections: dict[tuple[str, str], _Section] = {}
+        # Each queue's part of the last checkpoint written (its JSON object), and the queues
+        # whose messages or their places changed since the last capture: a checkpoint names
+        # a queue that did not change with its part of an earlier one, which costs nothing.
+        self.sections: dict[tuple[str, str], bytes] = {}
         self.changed: set[tuple[str, str]] = set()
         self.pending = _Batch()
         self.inflight: _Batch | None = None
@@ -948,7 +948,7 @@ class Store:
 
     def _checkpoint_ended(
         self,
-        done: asyncio.Future[dict[tuple[str, str], _Section] | None],
+        done: asyncio.Future[dict[tuple[str, str], bytes] | None],
         started: float,
         generation: int,
         number: int,
@@ -1060,12 +1060,12 @@ class Store:
 
     def _write_checkpoint(
         self, state: _Captured, number: int, generation: int
-    ) -> dict[tuple[str, str], _Section] | None:
+    ) -> dict[tuple[str, str], bytes] | None:
         """Write the checkpoint, and return each queue's part of it; None when it is not
         written (stopped, the log reset since, or a newer one written already)."""
         if generation != self.generation or number <= self.checkpoint_written:
             return None
-        made: dict[tuple[str, str], _Section] = {}
+        made: dict[tuple[str, str], bytes] = {}
         data = _checkpoint_bytes(state, made)  # without the lock: the writer goes on meanwhile
         with self.lock:
             if self.closed or generation != self.generation or number <= self.checkpoint_written:
@@ -1557,14 +1557,7 @@ class _Captured:
     # Each queue that pages: its head, in order.
     heads: list[tuple[tuple[str, str], list[Message]]] = field(default_factory=list)
     # The queues that did not change since an earlier checkpoint: named by their part of it.
-    reused: dict[tuple[str, str], _Section] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Section:
-    """A queue's part of a checkpoint: its JSON object."""
-
-    text: bytes
+    reused: dict[tuple[str, str], bytes] = field(default_factory=dict)
 
 
 DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages it names (`write`)
@@ -1595,7 +1588,7 @@ def give_way(work: int = YIELD_EVERY) -> None:
         time.sleep(GIVE_WAY_SECONDS)
 
 
-def _checkpoint_bytes(state: _Captured, made: dict[tuple[str, str], _Section]) -> bytes:
+def _checkpoint_bytes(state: _Captured, made: dict[tuple[str, str], bytes]) -> bytes:
     """A checkpoint's bytes, on the writer's thread: every YIELD_EVERY messages it gives the
     loop its turn (`give_way`). Each queue's part made anew goes into `made`; a queue in
     `state.reused` is named by the part it had."""
@@ -1655,9 +1648,9 @@ def _checkpoint_bytes(state: _Captured, made: dict[tuple[str, str], _Section]) -
                 b"]}",
             ]
         )
-        made[key] = _Section(section)
+        made[key] = section
         texts.append(section)
-    texts += [section.text for section in state.reused.values()]
+    texts += state.reused.values()
     head = json.dumps(state.head, separators=(",", ":")).encode()
     text = b"".join([head[:-1], b',"queues":[', b",".join(texts), b"]}"])
     return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
