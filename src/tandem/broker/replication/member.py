@@ -126,12 +126,13 @@ class State:
 class _Making:
     """A copy being made for a follower: what else was to go to it meanwhile."""
 
-    __slots__ = ("held", "made", "size")
+    __slots__ = ("held", "made", "size", "started")
 
     def __init__(self, made: asyncio.Future[list[bytes]]) -> None:
         self.made = made  # the copy's bytes, once made
         self.held: list[bytes] = []
         self.size = 0
+        self.started = time.monotonic()
 
 
 class Member:
@@ -479,7 +480,15 @@ class Member:
         writer = self.peers.get(dest)
         if writer is None or writer.is_closing():
             return
-        for data in made.result():
+        parts = made.result()
+        log.info(
+            "node %s: the copy for %s made in %.2f s, %d bytes",
+            self.node,
+            dest,
+            time.monotonic() - making.started,
+            sum(len(data) for data in parts),
+        )
+        for data in parts:
             writer.write(data)
         self.copy_bytes[dest] = [writer.transport.get_write_buffer_size(), 0]
         for data in making.held:
