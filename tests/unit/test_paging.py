@@ -5,6 +5,7 @@ queue's first stays in the log, a page of its own)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -401,6 +402,91 @@ def test_a_checkpoint_naming_many_messages_waits_for_a_quarter_as_many_records(
         assert not store.checkpoint_scheduled
     store.write(records.ENQUEUE, 50, enqueue(50), ("/", "q", records.mid(1, 50)))
     assert store.checkpoint_scheduled  # the tenth record since
+
+
+def test_a_deep_queue_left_alone_leaves_checkpoints_every_checkpoint_records(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint that names a deep queue by its part of the last one neither copies nor
+    passes over its messages: the next is due after checkpoint_records, not a quarter of
+    the deep queue's messages, so that a start replays little. The capture holds only the
+    queues that changed."""
+    write_log(
+        tmp_path, declare("deep"), declare("busy"), *[enqueue(i, "deep") for i in range(1, 41)]
+    )
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    store.checkpoint_records = 4  # set after the start, which would have made one
+    checkpointed(store)  # names the deep queue anew
+    assert store.checkpoint_due == 10
+    written(store, records.ENQUEUE, "busy", 41, 41)
+    assert set(store._captured().where) == {("/", "busy")}
+    checkpointed(store)  # the deep queue by its part of the last one
+    assert store.checkpoint_due == 4
+    written(store, records.ENQUEUE, "deep", 42, 42)
+    checkpointed(store)  # it changed: named anew, and the next waits for a quarter again
+    assert store.checkpoint_due == 10
+
+
+def test_a_checkpoint_is_written_without_the_log_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log's writer takes the store's lock for each batch: a checkpoint holding it while
+    its file (11 MB with a million messages) was written and synced held up every confirm
+    and every ack behind it. Only the rename is made under the lock."""
+    write_log(tmp_path, declare(), *[enqueue(i) for i in range(1, 5)])
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    held_while_written: list[bool] = []
+    real = log_mod.write_file
+
+    def write_file(path: Path, data: bytes, *, durable: bool = False) -> None:
+        held_while_written.append(store.lock.locked())
+        real(path, data, durable=durable)
+
+    monkeypatch.setattr(log_mod, "write_file", write_file)
+    checkpointed(store)
+    assert held_while_written == [False]
+    assert sorted(p.name for p in (tmp_path / "log").glob("checkpoint*")) == ["checkpoint"]
+    store.close()
+    _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    assert held(broker) == {"q": [1, 2, 3, 4]}
+
+
+def test_a_checkpoint_the_disk_cannot_take_leaves_the_last_one_and_no_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk fails the checkpoint's write: the last checkpoint stays as it was, no
+    part of the new one is left beside it, and the node goes on (a warning)."""
+    write_log(tmp_path, declare(), *[enqueue(i) for i in range(1, 5)])
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    checkpointed(store)
+    before = (tmp_path / "log" / "checkpoint").read_bytes()
+    written(store, records.ENQUEUE, "q", 5, 5)
+    real = log_mod.write_file
+
+    def full(path: Path, data: bytes, *, durable: bool = False) -> None:
+        real(path, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(log_mod, "write_file", full)
+    assert store.loop is not None
+    store.checkpoint()
+    while store.checkpoint_running:
+        store.loop.run_until_complete(asyncio.sleep(0.01))
+    assert (tmp_path / "log" / "checkpoint").read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "log").glob("checkpoint*")) == ["checkpoint"]
+
+
+def test_a_checkpoint_cut_short_by_a_crash_is_removed_at_the_start(tmp_path: Path) -> None:
+    """A crash between writing a checkpoint and its rename leaves it beside the last one:
+    the next start removes it."""
+    write_log(tmp_path, declare(), *[enqueue(i) for i in range(1, 5)])
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    checkpointed(store)
+    store.close()
+    (tmp_path / "log" / "checkpoint.7.tmp").write_bytes(b"half a checkpoint")
+    _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    assert not list((tmp_path / "log").glob("*.tmp"))
+    assert held(broker) == {"q": [1, 2, 3, 4]}
 
 
 def ended(store: Store) -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.broker.model.shards import SHARDS, Shards
+from tandem.broker.model.shards import SHARDS, SPLIT_AT, ByQueue, Shards
 
 keys = st.one_of(st.integers(0, 300), st.tuples(st.just("/"), st.sampled_from("ab"), st.integers()))
 ops = st.lists(
@@ -71,3 +71,43 @@ def test_a_new_key_does_not_make_a_shard_young_again() -> None:
         index[("/", "q", mid)] = mid
     young = {id(o) for o in gc.get_objects(generation=0)}
     assert all(gc.is_tracked(s) and id(s) not in young for s in index.shards)
+
+
+def test_one_dict_until_it_is_large_then_the_shards() -> None:
+    """Most queues are shallow, and each has its Shards (`ByQueue`): one dict serves until
+    SPLIT_AT keys, then the keys move into SHARDS dicts, every one of them still there."""
+    index: Shards[int, int] = Shards()
+    for mid in range(SPLIT_AT - 1):
+        index[mid] = -mid
+    assert len(index.dicts()) == 1 and len({id(s) for s in index.shards}) == 1
+    index[SPLIT_AT - 1] = 1 - SPLIT_AT
+    assert len(index.dicts()) == SHARDS and len({id(s) for s in index.shards}) == SHARDS
+    assert len(index) == SPLIT_AT and all(index[mid] == -mid for mid in range(SPLIT_AT))
+    assert sorted(index) == list(range(SPLIT_AT))
+    index.clear()
+    assert not index and len(index) == 0
+
+
+queue_keys = st.tuples(st.just("/"), st.sampled_from("abc"), st.integers(0, 50))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["set", "pop", "get", "drop"]), queue_keys), max_size=80))
+def test_by_queue_holds_what_a_dict_holds(script: list[tuple[str, tuple[str, str, int]]]) -> None:
+    ours = ByQueue()
+    theirs: dict[tuple[str, str, int], int] = {}
+    for n, (op, key) in enumerate(script):
+        if op == "set":
+            ours[key] = theirs[key] = n
+        elif op == "pop":
+            assert ours.pop(key) == theirs.pop(key, None)
+        elif op == "get":
+            assert ours.get(key) == theirs.get(key) and (key in ours) == (key in theirs)
+        else:
+            dropped = ours.drop(key[0], key[1])
+            gone = {k: v for k, v in theirs.items() if k[:2] == key[:2]}
+            named = {} if dropped is None else dict(dropped.items())
+            assert named == {k[2]: v for k, v in gone.items()}
+            theirs = {k: v for k, v in theirs.items() if k not in gone}
+    assert dict(ours.items()) == theirs
+    assert len(ours) == len(theirs) and bool(ours) == bool(theirs)

@@ -14,12 +14,17 @@ def replace_file(path: Path, data: str | bytes, *, durable: bool = False) -> Non
     file. `durable` also syncs the data before the rename, for files a crash must not lose.
     """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    write_file(tmp, data, durable=durable)
+    os.replace(tmp, path)
+
+
+def write_file(path: Path, data: str | bytes, *, durable: bool = False) -> None:
+    """Write `data` to `path`; `durable` syncs it before returning."""
+    with open(path, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
         if durable:
             f.flush()
             os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def sync_dir(path: Path) -> None:

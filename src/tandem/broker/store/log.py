@@ -71,12 +71,11 @@ from tandem.broker.model.journal import Page, Sequencer, pack_ids
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import PAGE_BYTES, Queue
 from tandem.broker.model.records import Corruption
-from tandem.broker.model.shards import Shards
-from tandem.broker.store.files import replace_file, sync_dir
+from tandem.broker.model.shards import ByQueue, Key
+from tandem.broker.store.files import replace_file, sync_dir, write_file
 
 log = logging.getLogger(__name__)
 
-Key = tuple[str, str, int]  # (vhost, queue, message id)
 Run = list[tuple[int, int, int, int]]  # messages: (id, place in the log, frame length, body)
 # A head's messages as a checkpoint names them: ids (128 bits: a list), places in the log,
 # frame lengths and bodies' lengths (C arrays). Not a tuple a message, nor lists of all: the
@@ -177,9 +176,9 @@ class Store:
         self.active = 0  # number of the active segment
         self.active_size = 0
         self.last_at = -1  # where the active segment's last record begins; -1: not known
-        # Each live message in memory -> where its ENQUEUE record is (AT_BITS); a paged one
-        # is its page's instead.
-        self.where: Shards[Key, int] = Shards()  # model/shards.py: millions, at times
+        # Each live message in memory -> where its ENQUEUE record is (AT_BITS), by queue; a
+        # paged one is its page's instead.
+        self.where = ByQueue()  # model/shards.py: millions, at times
         self.page_bytes = page_bytes
         # A cluster member's pages know their messages' ids (`Page.ids`): its digest and the
         # primary's copy are made of them, a page read back only for what a follower lacks.
@@ -196,12 +195,13 @@ class Store:
         self.checkpoint_records = checkpoint_records  # 0: no checkpoints
         self.since_checkpoint = 0
         # Records until the next checkpoint: checkpoint_records, or a quarter of the
-        # messages in memory the last one named, whichever is more. A checkpoint costs about
+        # messages the last one named anew, whichever is more. A checkpoint costs about
         # 1.3 µs per message it names anew (a million: 1.2-1.3 s of the writer thread's time,
-        # the GIL shared with the loop), a quarter of that for one it names by an earlier
-        # part (`sections`): this keeps it under about 5 µs a record. A restart, which reads
-        # those messages, replays at most about a quarter as many records after them (a
-        # lone node's head in memory is some 230,000 messages: nearly every 50,000 still).
+        # the GIL shared with the loop), and next to nothing for a queue it names by an
+        # earlier part (`sections`): neither its entries nor its messages are copied or
+        # passed over. This keeps it under about 5 µs a record. A restart, which reads those
+        # messages, replays at most about a quarter as many records after them, and a deep
+        # queue left alone leaves checkpoints every checkpoint_records.
         self.checkpoint_due = checkpoint_records
         self.checkpoint_scheduled = False
         # One is being made: the next waits for it to end. Two at once shared the GIL with
@@ -256,7 +256,7 @@ class Store:
             self.enqueued[self.active] += 1
             self._change(key)
         elif rtype == records.DEQUEUE and key is not None:
-            at = self.where.pop(key, None)
+            at = self.where.pop(key)
             if at is None:
                 return  # its enqueue is gone from the log: nothing to cancel
             self.segments[at >> AT_BITS] -= 1
@@ -288,7 +288,7 @@ class Store:
         assert self.broker is not None
         vhosts = self.broker.vhosts
         gone = set()
-        for vhost, queue in {(k[0], k[1]) for k in self.where} | self.pages.keys():
+        for vhost, queue in self.where.queues.keys() | self.pages.keys():
             vh = vhosts.get(vhost)
             q = vh.queues.get(queue) if vh is not None else None
             if q is None or not q.durable:
@@ -297,11 +297,16 @@ class Store:
             self._forget(gone)
 
     def _forget(self, queues: set[tuple[str, str]]) -> None:
-        """The messages of `queues` are no longer live: one pass over the index."""
+        """The messages of `queues` are no longer live."""
         self.changed |= queues
-        for key in [k for k in self.where if (k[0], k[1]) in queues]:
-            self.segments[self.where.pop(key) >> AT_BITS] -= 1
-            self.marked.discard(key)
+        for vhost, queue in queues:
+            index = self.where.drop(vhost, queue)
+            if index is not None:
+                for at in index.dicts():
+                    for place in at.values():
+                        self.segments[place >> AT_BITS] -= 1
+        if self.marked:
+            self.marked = {key for key in self.marked if (key[0], key[1]) not in queues}
         for name in queues:
             for page in list(self.pages.get(name, ())):
                 self.page_drop(page)
@@ -321,11 +326,11 @@ class Store:
     def page_out(self, key: tuple[str, str], place: bytes, msgs: list[Message]) -> Page | None:
         """Leave a queue's messages in the log (Journal.page_out): their records' places
         become the page's, held in memory until the records are written."""
-        where = self.where
         vhost, queue = key
+        where = self.where.of(vhost, queue)
         ats = []
         for m in msgs:
-            at = where.get((vhost, queue, m.mid))
+            at = where.get(m.mid)
             if at is None:
                 return None
             ats.append(at)
@@ -344,7 +349,7 @@ class Store:
             else:
                 extents.append([seg, pos, end])
             page.segs[seg] = page.segs.get(seg, 0) + 1
-            del where[(vhost, queue, m.mid)]
+            del where[m.mid]
         page.extents = [(seg, start, end) for seg, start, end in extents]
         for seg in page.segs:
             self.pinned[seg] += 1
@@ -363,10 +368,9 @@ class Store:
         found = page.held if page.held is not None else self._read(page, queue)
         if not keep:
             self._release(page)
-            vhost, name = page.key
-            where = self.where
+            where = self.where.of(*page.key)
             for m, at in found:
-                where[(vhost, name, m.mid)] = at
+                where[m.mid] = at
         return [m for m, _at in found]
 
     def pin(self, pages: list[Page]) -> None:
@@ -982,7 +986,6 @@ class Store:
             return  # checkpoints are off
         if self.broker is None or self.sequencer is None or self.loop is None or self.closed:
             return
-        self.checkpoint_due = max(self.checkpoint_records, len(self.where) // DUE_SHARE)
         self.checkpoints_made += 1
         # The capture refers to every live message and index key until its bytes are made,
         # and a collection meanwhile walked all of it, on the loop: 0.3-0.5 s with a million
@@ -994,6 +997,7 @@ class Store:
         started = time.monotonic()
         gc.collect(1)
         state, number, generation = self._captured(), self.checkpoints_made, self.generation
+        self.checkpoint_due = max(self.checkpoint_records, state.anew // DUE_SHARE)
         gc.freeze()
         loop = self.loop
         self.checkpoint_running = True
@@ -1055,8 +1059,16 @@ class Store:
                 for q in vh.queues.values():
                     if q.pageable and q.messages and (vh.name, q.name) not in reused:
                         heads.append(((vh.name, q.name), list(q.messages)))
-        where = [dict(shard) for shard in self.where.shards]
-        return _Captured(head, where, pages, heads, reused)
+        # Each changed queue's entries, in a copy of each of its dicts.
+        where = {
+            key: [dict(shard) for shard in index.dicts()]
+            for key, index in self.where.queues.items()
+            if key not in reused
+        }
+        # Pages are not counted: a page costs its ids at most, and a queue far deeper than
+        # memory would leave no checkpoint for millions of records.
+        anew = sum(len(shard) for shards in where.values() for shard in shards)
+        return _Captured(head, where, pages, heads, reused, anew)
 
     def _write_checkpoint(
         self, state: _Captured, number: int, generation: int
@@ -1067,10 +1079,20 @@ class Store:
             return None
         made: dict[tuple[str, str], bytes] = {}
         data = _checkpoint_bytes(state, made)  # without the lock: the writer goes on meanwhile
+        # Written and synced beside it without the lock too: the log's writer takes the lock
+        # for each batch, and waited for the whole file (11 MB with a million messages) and
+        # its fsync. Only the rename is under it, after the checks. Two may be in flight.
+        tmp = self.dir / f"checkpoint.{number}{TMP_SUFFIX}"
+        try:
+            write_file(tmp, data, durable=self.fsync)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk keeps no part of it
+            raise
         with self.lock:
             if self.closed or generation != self.generation or number <= self.checkpoint_written:
+                tmp.unlink(missing_ok=True)
                 return None
-            replace_file(self.dir / "checkpoint", data, durable=self.fsync)
+            os.replace(tmp, self.dir / "checkpoint")
             self.checkpoint_written = number
         return made
 
@@ -1287,6 +1309,8 @@ class Store:
         the primary."""
         self.broker, self.sequencer, self.loop = broker, sequencer, loop
         self.dir.mkdir(parents=True, exist_ok=True)
+        for tmp in self.dir.glob(f"checkpoint.*{TMP_SUFFIX}"):  # a crash before its rename
+            tmp.unlink()
         result = Recovered()
         paths = sorted(self.dir.glob("*.seg"))
         epochs = self._read_epochs()
@@ -1364,13 +1388,17 @@ class Store:
             # Their owners' connections died with the process (as RabbitMQ deletes them).
             result.exclusive_dropped = apply.drop_exclusive(broker)
             # What is live: the messages the queues hold in memory, and their pages.
-            replayed, self.where = self.where, Shards()
-            for key, at in replayed.items():
-                vh = broker.vhosts.get(key[0])
-                q = vh.queues.get(key[1]) if vh is not None else None
-                if q is not None and q.holds(key[2]):
-                    self.where[key] = at
-                    self.segments[at >> AT_BITS] += 1
+            replayed, self.where = self.where, ByQueue()
+            for (vhost, queue), index in replayed.queues.items():
+                vh = broker.vhosts.get(vhost)
+                q = vh.queues.get(queue) if vh is not None else None
+                if q is None:
+                    continue
+                into = self.where.of(vhost, queue)
+                for mid, at in index.items():
+                    if q.holds(mid):
+                        into[mid] = at
+                        self.segments[at >> AT_BITS] += 1
             for (vhost, queue), pages in list(self.pages.items()):
                 vh = broker.vhosts.get(vhost)
                 if vh is None or queue not in vh.queues:  # deleted with its vhost
@@ -1460,14 +1488,14 @@ class Store:
         except apply.NotApplied as exc:
             if rtype == records.ENQUEUE:
                 if before is None:
-                    where.pop(key, None)
+                    where.pop(key)
                 else:
                     where[key] = before
             self._set_aside(epoch, offset, rtype, payload, str(exc), result)
             return
         if rtype == records.DEQUEUE:
             key = records.read_key(payload)
-            where.pop(key, None)
+            where.pop(key)
             self.marked.discard(key)
         elif rtype == records.MARK:
             self.marked.add(records.read_key(payload))
@@ -1547,10 +1575,10 @@ class Store:
 @dataclass
 class _Captured:
     """What a checkpoint names, as the loop saw it: the small parts as they are written, the
-    `where` index's shards and the pages copied."""
+    `where` index's shards and the pages copied, of the queues that changed."""
 
     head: dict[str, Any]
-    where: list[dict[tuple[str, str, int], int]]
+    where: dict[tuple[str, str], list[dict[int, int]]]  # each queue's: id -> place
     # (queue, its pages as (count, body bytes, first, last, extents, segments, ids or
     # None), the messages of each page made from a checkpoint: id -> place)
     pages: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]]
@@ -1558,8 +1586,10 @@ class _Captured:
     heads: list[tuple[tuple[str, str], list[Message]]] = field(default_factory=list)
     # The queues that did not change since an earlier checkpoint: named by their part of it.
     reused: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    anew: int = 0  # the messages in memory it names anew (the where index's)
 
 
+TMP_SUFFIX: Final = ".tmp"  # a checkpoint being written: checkpoint.<number>.tmp
 DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages it names (`write`)
 # Messages between two turns given to the loop (`give_way`): 8-30 ms of work. Fewer gave
 # the loop more of the GIL and the checkpoint less: with 1,024, a lone node filling 2,000,000
@@ -1662,34 +1692,29 @@ Rows = tuple[list[int], list[int], list[int]]  # messages named one by one: offs
 def _split_where(
     state: _Captured,
 ) -> tuple[dict[tuple[str, str], Rows], dict[tuple[str, str], dict[int, int]]]:
-    """The where index's messages by queue: named one by one, or, in a queue that pages,
-    by id with their places, for its head to take (`_head_runs`). It gives way every
-    YIELD_EVERY of them, whichever they are."""
+    """The where index's messages by queue (the queues that changed): named one by one, or,
+    in a queue that pages, by id with their places, for its head to take (`_head_runs`). It
+    gives way every YIELD_EVERY of them."""
     by_queue: dict[tuple[str, str], Rows] = {}
     head_places: dict[tuple[str, str], dict[int, int]] = {key: {} for key, _m in state.heads}
-    reused = state.reused
-    current: tuple[str, str] | None = None
-    into: dict[int, int] | None = None
-    rows: Rows | None = None
     seen = 0
-    for shard in state.where:
-        for (vhost, queue, mid), at in shard.items():
-            seen += 1
-            if seen % YIELD_EVERY == 0:
+    for key, shards in state.where.items():
+        into = head_places.get(key)
+        for shard in shards:
+            seen += len(shard)
+            while seen >= YIELD_EVERY:  # before the shard: a whole dict is under SPLIT_AT
                 give_way()
-            if current is None or vhost != current[0] or queue != current[1]:
-                current = (vhost, queue)  # the same queue's entries, mostly: one look each
-                into = head_places.get(current)
-                if into is not None or current in reused:
-                    rows = None  # a queue named by an earlier checkpoint's part: passed by
-                else:
-                    rows = by_queue.setdefault(current, ([], [], []))
+                seen -= YIELD_EVERY
+            if not shard:
+                continue
             if into is not None:
-                into[mid] = at
-            elif rows is not None:
-                rows[0].append(records.mid_offset(mid))
-                rows[1].append(records.mid_epoch(mid))
-                rows[2].append(at)
+                into.update(shard)
+                continue
+            offsets, epochs, places = by_queue.setdefault(key, ([], [], []))
+            for mid, at in shard.items():
+                offsets.append(records.mid_offset(mid))
+                epochs.append(records.mid_epoch(mid))
+                places.append(at)
     return by_queue, head_places
 
 
