@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import logging
 import os
@@ -415,18 +414,9 @@ class Node:
             apply.UNAPPLIABLE = os.environ["TANDEM_TEST_FAULT_NOT_APPLIED"]
             log.warning("TEST FAULT: records declaring %s do not apply", apply.UNAPPLIABLE)
         if self.store is not None:
-            # What the start builds lives on (the queues and their messages): a collection
-            # in the middle of it walked all of it built so far, every time, and found
-            # nothing (90 ms of a 1 s start with a million queued). Frozen at its end, as
-            # the survivors of a full collection are (broker/collector.py).
-            gc.disable()
-            try:
-                result = self.store.open(
-                    self.broker, self.sequencer, loop, stop_at_corrupt=self.cluster_key is not None
-                )
-            finally:
-                gc.freeze()
-                gc.enable()
+            result = self.store.open(
+                self.broker, self.sequencer, loop, stop_at_corrupt=self.cluster_key is not None
+            )
             self.store.on_write_error = lambda err: self.set_alarm(
                 "log", None if err is None else f"cannot write the log: {err}"
             )
