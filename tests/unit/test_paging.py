@@ -17,6 +17,7 @@ from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.message import Message
 from tandem.broker.model.queue import Queue
+from tandem.broker.model.shards import SHARDS, SPLIT_AT
 from tandem.broker.store import log as log_mod
 from tandem.broker.store.log import Store
 
@@ -409,22 +410,72 @@ def test_a_deep_queue_left_alone_leaves_checkpoints_every_checkpoint_records(
 ) -> None:
     """A checkpoint that names a deep queue by its part of the last one neither copies nor
     passes over its messages: the next is due after checkpoint_records, not a quarter of
-    the deep queue's messages, so that a start replays little. The capture holds only the
-    queues that changed."""
-    write_log(
-        tmp_path, declare("deep"), declare("busy"), *[enqueue(i, "deep") for i in range(1, 41)]
-    )
+    the deep queue's messages, so that a start replays little."""
+    deep = [enqueue(i, "deep") for i in range(1, 41)]
+    write_log(tmp_path, declare("deep"), declare("busy"), *deep)
     store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
-    store.checkpoint_records = 4  # set after the start, which would have made one
+    store.checkpoint_records = 8  # set after the start, which would have made one
     checkpointed(store)  # names the deep queue anew
     assert store.checkpoint_due == 10
+    first = store.sections[("/", "deep")]
     written(store, records.ENQUEUE, "busy", 41, 41)
-    assert set(store._captured().where) == {("/", "busy")}
     checkpointed(store)  # the deep queue by its part of the last one
-    assert store.checkpoint_due == 4
+    assert store.sections[("/", "deep")] is first
+    assert store.checkpoint_size < 8 * log_mod.CHECKPOINT_BYTES_A_RECORD  # not what decides
+    assert store.checkpoint_due == 8
     written(store, records.ENQUEUE, "deep", 42, 42)
     checkpointed(store)  # it changed: named anew, and the next waits for a quarter again
+    assert store.sections[("/", "deep")] is not first
     assert store.checkpoint_due == 10
+
+
+def test_a_checkpoint_written_again_whole_waits_for_records_in_proportion_to_its_bytes(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint's file is written whole, the parts it reuses too (a member's deep queue
+    names its ids: 11 MB for a million messages): the next waits for its bytes over
+    CHECKPOINT_BYTES_A_RECORD records, so that checkpoints add a bounded share to the
+    disk's writes."""
+    deep = [enqueue(i, "deep") for i in range(1, 801)]
+    write_log(tmp_path, declare("deep"), declare("busy"), *deep)
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    store.checkpoint_records = 1
+    checkpointed(store)
+    size = store.checkpoint_size
+    assert size == (tmp_path / "log" / "checkpoint").stat().st_size
+    written(store, records.ENQUEUE, "busy", 801, 801)
+    checkpointed(store)  # the deep queue by its part: nothing of it named anew
+    assert store.checkpoint_due == size // log_mod.CHECKPOINT_BYTES_A_RECORD > 1
+
+
+def test_an_emptied_queue_leaves_no_index_behind_at_the_next_capture(tmp_path: Path) -> None:
+    """Each queue's messages have their own index: one that emptied goes at the next
+    checkpoint (a checkpoint and the status count over them), made again by its next
+    message."""
+    write_log(tmp_path, declare(), enqueue(1), enqueue(2))
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    assert ("/", "q") in store.where.queues
+    written(store, records.DEQUEUE, "q", 1, 3)
+    written(store, records.DEQUEUE, "q", 2, 4)
+    checkpointed(store)
+    assert ("/", "q") not in store.where.queues and len(store.where) == 0
+    written(store, records.ENQUEUE, "q", 5, 5)
+    assert len(store.where) == 1
+
+
+def test_a_queue_past_one_dict_of_index_comes_back_whole_from_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A queue's index splits into shards past SPLIT_AT messages; a checkpoint names every
+    one of them, and a start finds them all."""
+    count = SPLIT_AT + 100
+    write_log(tmp_path, declare(), *(enqueue(i) for i in range(1, count + 1)))
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    assert len(store.where.of("/", "q").dicts()) == SHARDS
+    checkpointed(store)
+    store.close()
+    store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    assert bodies(broker.vhost("/").queues["q"]) == list(range(1, count + 1))
 
 
 def test_a_checkpoint_is_written_without_the_log_held(

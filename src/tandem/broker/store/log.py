@@ -30,9 +30,11 @@ follower pins the pages it reads on its own thread (`pin`, `read_copy`).
 
 Checkpoints: a node (lone or a cluster member) writes `<data_dir>/log/checkpoint` every
 `checkpoint_records` durable records, or every quarter as many as the last one named messages
-in memory when that is more (a checkpoint costs in proportion to them), once they are on disk.
-A queue whose messages and their places did not change since the last checkpoint is named by
-its part of that one, as it was: only the queues that changed cost their messages again.
+in memory anew when that is more (a checkpoint costs in proportion to them), once they are on
+disk. A queue whose messages and their places did not change since the last checkpoint is
+named by its part of that one, as it was: only the queues that changed cost their messages
+again (the `where` index is kept by queue for this: `ByQueue`). The file is written beside
+the checkpoint and renamed over it, without holding up the log's writer.
 It holds the state at one point of the log (the resume point):
 the position and epochs, the durable definitions (as a SNAPSHOT restates them), and where
 each live message's record is (the `where` index, the pages, the requeued marks). Recovery
@@ -194,14 +196,15 @@ class Store:
         self.marked: set[Key] = set()  # live messages with a durable MARK (requeued)
         self.checkpoint_records = checkpoint_records  # 0: no checkpoints
         self.since_checkpoint = 0
-        # Records until the next checkpoint: checkpoint_records, or a quarter of the
-        # messages the last one named anew, whichever is more. A checkpoint costs about
-        # 1.3 µs per message it names anew (a million: 1.2-1.3 s of the writer thread's time,
-        # the GIL shared with the loop), and next to nothing for a queue it names by an
-        # earlier part (`sections`): neither its entries nor its messages are copied or
-        # passed over. This keeps it under about 5 µs a record. A restart, which reads those
-        # messages, replays at most about a quarter as many records after them, and a deep
-        # queue left alone leaves checkpoints every checkpoint_records.
+        # Records until the next checkpoint: checkpoint_records, a quarter of the messages
+        # in memory the last one named anew, or its file's bytes over
+        # CHECKPOINT_BYTES_A_RECORD, whichever is most. A checkpoint costs about 1.3 µs per
+        # message it names anew (a million: 1.2-1.3 s of the writer thread's time, the GIL
+        # shared with the loop); a queue it names by an earlier part (`sections`) costs no
+        # copy of its entries and no pass over them, only its bytes written again. This
+        # keeps it under about 5 µs a record. A restart, which reads those messages,
+        # replays at most about a quarter as many records after them, and a deep queue left
+        # alone leaves checkpoints every checkpoint_records (for a million messages).
         self.checkpoint_due = checkpoint_records
         self.checkpoint_scheduled = False
         # One is being made: the next waits for it to end. Two at once shared the GIL with
@@ -209,6 +212,7 @@ class Store:
         self.checkpoint_running = False
         self.checkpoints_made = 0  # the newest checkpoint written wins, whichever thread ends first
         self.checkpoint_written = 0
+        self.checkpoint_size = 0  # bytes of the last one made (CHECKPOINT_BYTES_A_RECORD)
         # Each queue's part of the last checkpoint written (its JSON object), and the queues
         # whose messages or their places changed since the last capture: a checkpoint names
         # a queue that did not change with its part of an earlier one, which costs nothing.
@@ -302,8 +306,8 @@ class Store:
         for vhost, queue in queues:
             index = self.where.drop(vhost, queue)
             if index is not None:
-                for at in index.dicts():
-                    for place in at.values():
+                for shard in index.dicts():
+                    for place in shard.values():
                         self.segments[place >> AT_BITS] -= 1
         if self.marked:
             self.marked = {key for key in self.marked if (key[0], key[1]) not in queues}
@@ -492,6 +496,7 @@ class Store:
         # that may be below the old log's end (a member that went past the agreement point).
         self.handed = self._synced = 0
         self.checkpoint_due = self.checkpoint_records
+        self.checkpoint_size = 0
         self.sections.clear()
         self.changed.clear()
         self.where.clear()
@@ -987,17 +992,22 @@ class Store:
         if self.broker is None or self.sequencer is None or self.loop is None or self.closed:
             return
         self.checkpoints_made += 1
-        # The capture refers to every live message and index key until its bytes are made,
-        # and a collection meanwhile walked all of it, on the loop: 0.3-0.5 s with a million
-        # messages under load. Frozen at once (a splice of lists), the collector leaves it
-        # be. The young garbage is collected before it is made, not after: that collection
-        # would walk it too. What else lives then is frozen too, as the next full collection
-        # would have frozen it (collector.py), a little earlier: a cycle that dies meanwhile
-        # waits for collector.py's thaw, which comes only once the queues are shallow.
+        # The capture refers to the live messages and index keys of the queues that changed
+        # until its bytes are made, and a collection meanwhile walked all of it, on the
+        # loop: 0.3-0.5 s with a million messages under load. Frozen at once (a splice of
+        # lists), the collector leaves it be. The young garbage is collected before it is
+        # made, not after: that collection would walk it too. What else lives then is
+        # frozen too, as the next full collection would have frozen it (collector.py), a
+        # little earlier: a cycle that dies meanwhile waits for collector.py's thaw, which
+        # comes only once the queues are shallow.
         started = time.monotonic()
         gc.collect(1)
         state, number, generation = self._captured(), self.checkpoints_made, self.generation
-        self.checkpoint_due = max(self.checkpoint_records, state.anew // DUE_SHARE)
+        self.checkpoint_due = max(
+            self.checkpoint_records,
+            state.anew // DUE_SHARE,
+            self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD,
+        )
         gc.freeze()
         loop = self.loop
         self.checkpoint_running = True
@@ -1059,12 +1069,14 @@ class Store:
                 for q in vh.queues.values():
                     if q.pageable and q.messages and (vh.name, q.name) not in reused:
                         heads.append(((vh.name, q.name), list(q.messages)))
-        # Each changed queue's entries, in a copy of each of its dicts.
-        where = {
-            key: [dict(shard) for shard in index.dicts()]
-            for key, index in self.where.queues.items()
-            if key not in reused
-        }
+        # The entries of each queue not named by its part of the last checkpoint, in a copy
+        # of each of its dicts. An emptied queue's index goes: its next message makes one.
+        where: dict[tuple[str, str], list[dict[int, int]]] = {}
+        for key, index in list(self.where.queues.items()):
+            if not index:
+                del self.where.queues[key]
+            elif key not in reused:
+                where[key] = [dict(shard) for shard in index.dicts()]
         # Pages are not counted: a page costs its ids at most, and a queue far deeper than
         # memory would leave no checkpoint for millions of records.
         anew = sum(len(shard) for shards in where.values() for shard in shards)
@@ -1079,6 +1091,7 @@ class Store:
             return None
         made: dict[tuple[str, str], bytes] = {}
         data = _checkpoint_bytes(state, made)  # without the lock: the writer goes on meanwhile
+        self.checkpoint_size = len(data)
         # Written and synced beside it without the lock too: the log's writer takes the lock
         # for each batch, and waited for the whole file (11 MB with a million messages) and
         # its fsync. Only the rename is under it, after the checks. Two may be in flight.
@@ -1309,8 +1322,11 @@ class Store:
         the primary."""
         self.broker, self.sequencer, self.loop = broker, sequencer, loop
         self.dir.mkdir(parents=True, exist_ok=True)
-        for tmp in self.dir.glob(f"checkpoint.*{TMP_SUFFIX}"):  # a crash before its rename
-            tmp.unlink()
+        for tmp in self.dir.glob(f"checkpoint*{TMP_SUFFIX}"):  # a crash before its rename
+            try:
+                tmp.unlink()
+            except OSError as left:  # only its space is not freed
+                log.warning("cannot delete %s, a checkpoint a crash left: %s", tmp, left)
         result = Recovered()
         paths = sorted(self.dir.glob("*.seg"))
         epochs = self._read_epochs()
@@ -1590,6 +1606,10 @@ class _Captured:
 
 
 TMP_SUFFIX: Final = ".tmp"  # a checkpoint being written: checkpoint.<number>.tmp
+# A checkpoint's file is written whole, the parts of the queues that did not change too (a
+# member names a page by its ids: 11 MB for a million messages): at most this many bytes of
+# it for each record since the last, which bounds what checkpoints add to the disk's writes.
+CHECKPOINT_BYTES_A_RECORD: Final = 256
 DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages it names (`write`)
 # Messages between two turns given to the loop (`give_way`): 8-30 ms of work. Fewer gave
 # the loop more of the GIL and the checkpoint less: with 1,024, a lone node filling 2,000,000
@@ -1701,17 +1721,19 @@ def _split_where(
     for key, shards in state.where.items():
         into = head_places.get(key)
         for shard in shards:
-            seen += len(shard)
-            while seen >= YIELD_EVERY:  # before the shard: a whole dict is under SPLIT_AT
-                give_way()
-                seen -= YIELD_EVERY
-            if not shard:
-                continue
-            if into is not None:
+            if into is not None:  # one copy in C: a shard of ten million messages' is 2%
                 into.update(shard)
+                seen += len(shard)
+                while seen >= YIELD_EVERY:
+                    give_way()
+                    seen -= YIELD_EVERY
                 continue
             offsets, epochs, places = by_queue.setdefault(key, ([], [], []))
             for mid, at in shard.items():
+                seen += 1
+                if seen == YIELD_EVERY:
+                    give_way()
+                    seen = 0
                 offsets.append(records.mid_offset(mid))
                 epochs.append(records.mid_epoch(mid))
                 places.append(at)
