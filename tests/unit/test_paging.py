@@ -393,7 +393,8 @@ def test_a_checkpoint_naming_many_messages_waits_for_a_quarter_as_many_records(
     than four times checkpoint_records messages in memory, the next waits for a quarter as
     many records."""
     write_log(tmp_path, declare(), *[enqueue(i) for i in range(1, 41)])
-    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=4)
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    store.checkpoint_records = 4  # as if set at the start: the first checkpoint is this one
     assert len(store.where) == 40  # no budget: every message in memory
     store.checkpoint()  # as the start schedules after replaying more than 4 records
     assert store.checkpoint_due == 10
@@ -405,28 +406,28 @@ def test_a_checkpoint_naming_many_messages_waits_for_a_quarter_as_many_records(
     assert store.checkpoint_scheduled  # the tenth record since
 
 
-def test_a_deep_queue_left_alone_leaves_checkpoints_every_checkpoint_records(
-    tmp_path: Path,
-) -> None:
+def test_a_deep_queue_left_alone_is_not_counted_as_named_anew(tmp_path: Path) -> None:
     """A checkpoint that names a deep queue by its part of the last one neither copies nor
-    passes over its messages: the next is due after checkpoint_records, not a quarter of
-    the deep queue's messages, so that a start replays little."""
+    passes over its messages: the next is due after checkpoint_records, or the bytes it
+    wrote over CHECKPOINT_BYTES_A_RECORD, not after a quarter of the deep queue's messages
+    again, so that a start replays less."""
     deep = [enqueue(i, "deep") for i in range(1, 41)]
     write_log(tmp_path, declare("deep"), declare("busy"), *deep)
     store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
     store.checkpoint_records = 8  # set after the start, which would have made one
+    per_record = log_mod.CHECKPOINT_BYTES_A_RECORD
     checkpointed(store)  # names the deep queue anew
-    assert store.checkpoint_due == 10
-    first = store.sections[("/", "deep")]
+    assert store.checkpoint_due == 40 // 4
+    first, size = store.sections[("/", "deep")], store.checkpoint_size
     written(store, records.ENQUEUE, "busy", 41, 41)
     checkpointed(store)  # the deep queue by its part of the last one
     assert store.sections[("/", "deep")] is first
-    assert store.checkpoint_size < 8 * log_mod.CHECKPOINT_BYTES_A_RECORD  # not what decides
-    assert store.checkpoint_due == 8
+    assert store.checkpoint_due == max(8, 1 // 4, size // per_record)
+    size = store.checkpoint_size
     written(store, records.ENQUEUE, "deep", 42, 42)
-    checkpointed(store)  # it changed: named anew, and the next waits for a quarter again
+    checkpointed(store)  # it changed: named anew, and counted again
     assert store.sections[("/", "deep")] is not first
-    assert store.checkpoint_due == 10
+    assert store.checkpoint_due == max(8, 41 // 4, size // per_record)
 
 
 def test_a_checkpoint_written_again_whole_waits_for_records_in_proportion_to_its_bytes(
