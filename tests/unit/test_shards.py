@@ -109,5 +109,6 @@ def test_by_queue_holds_what_a_dict_holds(script: list[tuple[str, tuple[str, str
             named = {} if dropped is None else dict(dropped.items())
             assert named == {k[2]: v for k, v in gone.items()}
             theirs = {k: v for k, v in theirs.items() if k not in gone}
-    assert dict(ours.items()) == theirs
+    held = {(v, q, mid): at for (v, q), index in ours.queues.items() for mid, at in index.items()}
+    assert held == theirs
     assert len(ours) == len(theirs) and bool(ours) == bool(theirs)

@@ -190,10 +190,5 @@ class ByQueue:
     def __bool__(self) -> bool:
         return any(self.queues.values())
 
-    def items(self) -> Iterator[tuple[Key, int]]:
-        for (vhost, queue), index in self.queues.items():
-            for mid, at in index.items():
-                yield (vhost, queue, mid), at
-
     def clear(self) -> None:
         self.queues.clear()
