@@ -544,8 +544,8 @@ def test_a_checkpoint_cut_short_by_a_crash_is_removed_at_the_start(tmp_path: Pat
 def ended(store: Store) -> None:
     """The checkpoint being made is written (its executor's future done, on the loop)."""
     assert store.loop is not None and store.checkpoint_running
-    done: asyncio.Future[dict[tuple[str, str], bytes] | None] = store.loop.create_future()
-    done.set_result({})
+    done: asyncio.Future[log_mod._Made | None] = store.loop.create_future()
+    done.set_result(log_mod._Made())
     store._checkpoint_ended(done, 0.0, store.generation, store.checkpoints_made)
 
 
@@ -723,11 +723,190 @@ def test_a_checkpoint_that_ends_after_a_later_capture_keeps_none_of_its_parts(
     written(store, records.ENQUEUE, "a", 2, 2)
     assert ("/", "a") in store.changed  # noted though no part is kept yet
     store.changed.clear()
-    done: asyncio.Future[dict[tuple[str, str], bytes] | None] = store.loop.create_future()
-    done.set_result({("/", "a"): b"{}"})
+    done: asyncio.Future[log_mod._Made | None] = store.loop.create_future()
+    done.set_result(log_mod._Made(sections={("/", "a"): b"{}"}))
     store._checkpoint_ended(done, 0.0, store.generation, 1)
     assert store.checkpoint_running and not store.sections
     written(store, records.ENQUEUE, "a", 3, 3)
     assert ("/", "a") in store.changed
     store._checkpoint_ended(done, 0.0, store.generation, 2)
     assert not store.checkpoint_running and ("/", "a") in store.sections
+
+
+DEEP = 12_000  # messages: a queue's part of a checkpoint past PART_BYTES (a file of its own)
+
+
+def parts(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "log").glob(f"{log_mod.PART_PREFIX}*"))
+
+
+def deep_store(tmp_path: Path) -> Store:
+    write_log(
+        tmp_path, declare("deep"), declare("busy"), *(enqueue(i, "deep") for i in range(1, DEEP))
+    )
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1 << 20)
+    store.checkpoint_records = 1  # set after the start, which would have made one
+    return store
+
+
+def test_a_deep_queue_that_did_not_change_is_not_written_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deep queue's part of a checkpoint is a file of its own. A checkpoint that names the
+    queue as it was names that file and writes none of it: it writes its own small file
+    only, and the next is due after checkpoint_records again, not after its bytes over
+    CHECKPOINT_BYTES_A_RECORD. A start reads the part back."""
+    store = deep_store(tmp_path)
+    files: list[tuple[str, int]] = []
+    real = log_mod.write_file
+
+    def write_file(path: Path, data: bytes, *, durable: bool = False) -> None:
+        files.append((path.name, len(data)))
+        real(path, data, durable=durable)
+
+    monkeypatch.setattr(log_mod, "write_file", write_file)
+    checkpointed(store)
+    [part] = parts(tmp_path)
+    assert [name for name, _size in files] == [part, "checkpoint.1.tmp"]
+    assert dict(files)[part] >= log_mod.PART_BYTES
+    files.clear()
+    written(store, records.ENQUEUE, "busy", DEEP, DEEP)
+    checkpointed(store)
+    assert [name for name, _size in files] == ["checkpoint.2.tmp"]
+    size = store.checkpoint_size
+    assert size == files[0][1] < 1024 and parts(tmp_path) == [part]
+    written(store, records.ENQUEUE, "busy", DEEP + 1, DEEP + 1)
+    checkpointed(store)  # due after the bytes the last one wrote over 64, not its part's
+    assert store.checkpoint_due == max(1, size // log_mod.CHECKPOINT_BYTES_A_RECORD) < 16
+    store.close()
+    _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1 << 20)
+    assert held(broker) == {"busy": [DEEP, DEEP + 1], "deep": list(range(1, DEEP))}
+
+
+def test_a_deep_queue_that_changed_gets_a_new_part_and_the_old_one_goes(tmp_path: Path) -> None:
+    """A deep queue that changed is written anew, to a part file of another name; the old
+    one goes once the checkpoint that no longer names it is in place, and a start finds
+    the queue as it is now."""
+    store = deep_store(tmp_path)
+    checkpointed(store)
+    [first] = parts(tmp_path)
+    written(store, records.DEQUEUE, "deep", 1, DEEP)
+    written(store, records.ENQUEUE, "deep", DEEP + 1, DEEP + 1)
+    checkpointed(store)
+    [second] = parts(tmp_path)
+    assert second != first
+    store.close()
+    _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1 << 20)
+    assert held(broker)["deep"] == [*range(2, DEEP), DEEP + 1]
+
+
+@pytest.mark.parametrize("damage", ["gone", "cut short", "altered"])
+def test_a_checkpoint_whose_part_is_gone_or_damaged_is_not_used(
+    tmp_path: Path, damage: str
+) -> None:
+    """A checkpoint whose part file is missing, shorter than it says, or altered (another
+    queue's name in it) is not used: the whole log is replayed, and the part files go."""
+    store = deep_store(tmp_path)
+    written(store, records.ENQUEUE, "busy", DEEP, DEEP)
+    checkpointed(store)
+    store.close()
+    [part] = parts(tmp_path)
+    path = tmp_path / "log" / part
+    if damage == "gone":
+        path.unlink()
+    elif damage == "cut short":
+        path.write_bytes(path.read_bytes()[:-1])
+    else:
+        path.write_bytes(path.read_bytes().replace(b"deep", b"busy", 1))
+    _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1 << 20)
+    assert held(broker) == {"busy": [DEEP], "deep": list(range(1, DEEP))}
+    assert parts(tmp_path) == []
+
+
+def test_a_part_no_checkpoint_names_is_removed_at_the_start(tmp_path: Path) -> None:
+    """A crash after a part file was written, before its checkpoint's rename, leaves it
+    beside the last checkpoint, which does not name it: the next start removes it, and
+    keeps the one the checkpoint names."""
+    store = deep_store(tmp_path)
+    checkpointed(store)
+    store.close()
+    [kept] = parts(tmp_path)
+    (tmp_path / "log" / f"{log_mod.PART_PREFIX}0badf00d-9-0").write_bytes(b"half a part")
+    _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1 << 20)
+    assert parts(tmp_path) == [kept]
+    assert held(broker)["deep"] == list(range(1, DEEP))
+
+
+def test_a_part_the_disk_cannot_take_leaves_the_last_checkpoint_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk while a deep queue's new part is written: no part of the new checkpoint
+    is left, and the last one and the part it names stay as they were."""
+    store = deep_store(tmp_path)
+    checkpointed(store)
+    [part] = parts(tmp_path)
+    before = (tmp_path / "log" / "checkpoint").read_bytes()
+    written(store, records.ENQUEUE, "deep", DEEP, DEEP)
+    real = log_mod.write_file
+
+    def full(path: Path, data: bytes, *, durable: bool = False) -> None:
+        real(path, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(log_mod, "write_file", full)
+    assert store.loop is not None
+    store.checkpoint()
+    while store.checkpoint_running:
+        store.loop.run_until_complete(asyncio.sleep(0.01))
+    assert (tmp_path / "log" / "checkpoint").read_bytes() == before
+    assert parts(tmp_path) == [part]
+    assert sorted(p.name for p in (tmp_path / "log").glob("checkpoint.*")) == []
+    store.close()
+    _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1 << 20)
+    assert held(broker)["deep"] == list(range(1, DEEP + 1))
+
+
+def test_a_log_started_over_takes_the_parts_with_its_checkpoint(tmp_path: Path) -> None:
+    """A member that takes a full copy starts its log over: the checkpoint goes, and the
+    part files it named with it."""
+    store = deep_store(tmp_path)
+    checkpointed(store)
+    assert parts(tmp_path)
+    store.reset([(1, 1)])
+    assert parts(tmp_path) == [] and not (tmp_path / "log" / "checkpoint").exists()
+
+
+@pytest.mark.parametrize("replayed", ["busy", "deep"])
+def test_a_start_names_a_deep_queue_by_the_part_it_was_loaded_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, replayed: str
+) -> None:
+    """After a start, the first checkpoint names a deep queue by the part file it was
+    loaded from, unless a record replayed after the checkpoint named that queue: it writes
+    no part then, and the next start finds the queue whole."""
+    store = deep_store(tmp_path)
+    checkpointed(store)
+    [part] = parts(tmp_path)
+    written(store, records.ENQUEUE, replayed, DEEP, DEEP)
+    assert store.loop is not None
+    on_disk: asyncio.Future[None] = store.loop.create_future()
+    store.when_synced(lambda: on_disk.set_result(None))
+    store.loop.run_until_complete(on_disk)
+    store.checkpoint_records = 0  # no last checkpoint: the start replays the record
+    store.close()
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1 << 20)
+    assert (("/", "deep") in store.sections) == (replayed == "busy")
+    files: list[str] = []
+    real = log_mod.write_file
+
+    def write_file(path: Path, data: bytes, *, durable: bool = False) -> None:
+        files.append(path.name)
+        real(path, data, durable=durable)
+
+    monkeypatch.setattr(log_mod, "write_file", write_file)
+    checkpointed(store)
+    assert (files == ["checkpoint.1.tmp"]) == (replayed == "busy")
+    assert (parts(tmp_path) == [part]) == (replayed == "busy")
+    store.close()
+    _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1 << 20)
+    deep = list(range(1, DEEP + (replayed == "deep")))
+    assert held(broker) == {"busy": [DEEP] if replayed == "busy" else [], "deep": deep}

@@ -197,15 +197,16 @@ class Store:
         self.checkpoint_records = checkpoint_records  # 0: no checkpoints
         self.since_checkpoint = 0
         # Records until the next checkpoint: checkpoint_records, a quarter of the messages
-        # in memory the last one named anew, or its file's bytes over
+        # in memory the last one named anew, or the bytes it wrote over
         # CHECKPOINT_BYTES_A_RECORD, whichever is most. A checkpoint costs about 1.3 µs per
         # message it names anew (a million: 1.2-1.3 s of the writer thread's time, the GIL
         # shared with the loop); a queue it names by an earlier part (`sections`) costs no
-        # copy of its entries and no pass over them, only its bytes written again. This
-        # keeps it under about 5 µs a record. A restart, which reads those messages,
-        # replays at most about a quarter as many records after them; a deep queue left
-        # alone costs the bytes of its part only (a member's million messages: a checkpoint
-        # every 170,000 records, not every 250,000).
+        # copy of its entries and no pass over them, and a deep one (PART_BYTES) not even
+        # its bytes: its part is a file the checkpoint names. This keeps it under about 5 µs
+        # a record. A restart, which reads those messages, replays at most about a quarter
+        # as many records after them; a deep queue left alone costs nothing (a member beside
+        # a million messages: a checkpoint every 50,000 records, where its part written
+        # again each time made it every 170,000, and a restart replayed up to 320,000).
         self.checkpoint_due = checkpoint_records
         self.checkpoint_scheduled = False
         # One is being made: the next waits for it to end. Two at once shared the GIL with
@@ -213,12 +214,23 @@ class Store:
         self.checkpoint_running = False
         self.checkpoints_made = 0  # the newest checkpoint written wins, whichever thread ends first
         self.checkpoint_written = 0
-        self.checkpoint_size = 0  # bytes of the last one made (CHECKPOINT_BYTES_A_RECORD)
+        self.checkpoint_size = 0  # bytes the last one wrote, its parts' files too
         # Each queue's part of the last checkpoint written (its JSON object), and the queues
         # whose messages or their places changed since the last capture: a checkpoint names
         # a queue that did not change with its part of an earlier one, which costs nothing.
         self.sections: dict[tuple[str, str], bytes] = {}
         self.changed: set[tuple[str, str]] = set()
+        # A part of PART_BYTES or more is a file of its own, which the checkpoints that name
+        # the queue by it leave as it is (`sections` holds the reference): the part file of
+        # each such section, the part files the checkpoint on disk names, and this process's
+        # token in the names of those it writes (a restart numbers checkpoints from 1 again).
+        self.section_parts: dict[tuple[str, str], str] = {}
+        self.parts_on_disk: set[str] = set()
+        self.token = os.urandom(4).hex()
+        # At a start: each queue the checkpoint named by a part file, as (its reference, the
+        # file, the messages it names), and the queues the records replayed after it name.
+        self.loaded_parts: dict[tuple[str, str], tuple[bytes, str, int]] = {}
+        self.touched: set[tuple[str, str]] = set()
         self.pending = _Batch()
         self.inflight: _Batch | None = None
         self.flush_scheduled = False
@@ -487,6 +499,9 @@ class Store:
             for path in self.dir.glob("*.seg"):
                 path.unlink()
             (self.dir / "checkpoint").unlink(missing_ok=True)
+            for part in self.dir.glob(f"{PART_PREFIX}*"):
+                part.unlink()
+            self.parts_on_disk = set()
             self._rewrite_epochs(boundaries)
         self.pending.chunks.clear()
         self.pending.deletes.clear()
@@ -499,6 +514,7 @@ class Store:
         self.checkpoint_due = self.checkpoint_records
         self.checkpoint_size = 0
         self.sections.clear()
+        self.section_parts.clear()
         self.changed.clear()
         self.where.clear()
         self.pages.clear()
@@ -958,7 +974,7 @@ class Store:
 
     def _checkpoint_ended(
         self,
-        done: asyncio.Future[dict[tuple[str, str], bytes] | None],
+        done: asyncio.Future[_Made | None],
         started: float,
         generation: int,
         number: int,
@@ -976,7 +992,8 @@ class Store:
             # Each is the queue's part as it was at the capture; one that changed since is
             # in `changed`, and the next capture drops it. A log reset since names nothing.
             if newest and generation == self.generation:
-                self.sections.update(made)
+                self.sections.update(made.sections)
+                self.section_parts.update(made.parts)
         if newest and self.since_checkpoint >= self.checkpoint_due and not self.closed:
             self._checkpoint_soon()
 
@@ -1027,8 +1044,10 @@ class Store:
         sections = self.sections
         for key in self.changed:
             sections.pop(key, None)
+            self.section_parts.pop(key, None)
         self.changed = set()
         reused = dict(sections)
+        parts = {self.section_parts[key] for key in reused if key in self.section_parts}
         pages = [
             (
                 key,
@@ -1081,34 +1100,56 @@ class Store:
         # Pages are not counted: a page costs its ids at most, and a queue far deeper than
         # memory would leave no checkpoint for millions of records.
         anew = sum(len(shard) for shards in where.values() for shard in shards)
-        return _Captured(head, where, pages, heads, reused, anew)
+        return _Captured(head, where, pages, heads, reused, anew, parts)
 
-    def _write_checkpoint(
-        self, state: _Captured, number: int, generation: int
-    ) -> dict[tuple[str, str], bytes] | None:
+    def _write_checkpoint(self, state: _Captured, number: int, generation: int) -> _Made | None:
         """Write the checkpoint, and return each queue's part of it; None when it is not
         written (stopped, the log reset since, or a newer one written already)."""
         if generation != self.generation or number <= self.checkpoint_written:
             return None
-        made: dict[tuple[str, str], bytes] = {}
-        data = _checkpoint_bytes(state, made)  # without the lock: the writer goes on meanwhile
-        self.checkpoint_size = len(data)
+        made = _Made()
+        # Without the lock: the writer goes on meanwhile.
+        data = _checkpoint_bytes(state, made, f"{PART_PREFIX}{self.token}-{number}-")
+        # What it writes: a deep queue that did not change is named by its part's file.
+        self.checkpoint_size = len(data) + sum(map(len, made.files.values()))
         # Written and synced beside it without the lock too: the log's writer takes the lock
         # for each batch, and waited for the whole file (11 MB with a million messages) and
         # its fsync. Only the rename is under it, after the checks. Two may be in flight.
         tmp = self.dir / f"checkpoint.{number}{TMP_SUFFIX}"
+        written = [tmp]
         try:
+            for name, part in made.files.items():
+                written.append(self.dir / name)
+                write_file(self.dir / name, part, durable=self.fsync)
             write_file(tmp, data, durable=self.fsync)
         except OSError:
-            tmp.unlink(missing_ok=True)  # a full disk keeps no part of it
+            for path in written:  # a full disk keeps no part of it
+                path.unlink(missing_ok=True)
             raise
         with self.lock:
             if self.closed or generation != self.generation or number <= self.checkpoint_written:
-                tmp.unlink(missing_ok=True)
+                for path in written:
+                    path.unlink(missing_ok=True)
                 return None
             os.replace(tmp, self.dir / "checkpoint")
             self.checkpoint_written = number
+            named = state.parts | set(made.files)
+            gone, self.parts_on_disk = self.parts_on_disk - named, named
+        self._drop_parts(gone)
         return made
+
+    def _drop_parts(self, names: set[str]) -> None:
+        """Delete the part files the checkpoint on disk no longer names, once its rename is
+        on disk: a crash before would leave the one before, which names them."""
+        if not names:
+            return
+        try:
+            if self.fsync:
+                sync_dir(self.dir)
+            for name in names:
+                (self.dir / name).unlink(missing_ok=True)
+        except OSError as exc:  # only their space is not freed; the next start deletes them
+            log.warning("cannot delete the parts of an old checkpoint in %s: %s", self.dir, exc)
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
         path = self.dir / "checkpoint"
@@ -1123,6 +1164,16 @@ class Store:
             ):
                 raise ValueError("not a checkpoint, or a damaged one")
             body: dict[str, Any] = json.loads(text)
+            parts = set()
+            loaded = {}
+            for i, entry in enumerate(body["queues"]):
+                if "part" in entry:
+                    section = body["queues"][i] = self._read_part(entry)
+                    parts.add(entry["part"])
+                    key = (entry["vhost"], entry["queue"])
+                    ref = _part_ref(key, entry["part"], entry["size"], entry["crc"])
+                    count = 0 if section["pages"] else len(_unpacked("Q", section["offsets"]))
+                    loaded[key] = (ref, entry["part"], count)
             for entry in body["queues"]:  # whole, before anything of it is applied
                 ids = [_unpacked(t, entry[k]) for t, k in (("Q", "offsets"), ("L", "epochs"))]
                 if not len(ids[0]) == len(ids[1]) == len(_unpacked("Q", entry["at"])):
@@ -1143,7 +1194,39 @@ class Store:
         except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
             log.warning("checkpoint %s not used (%s): replaying the whole log", path, exc)
             return None
+        self.parts_on_disk, self.loaded_parts = parts, loaded
         return body
+
+    def _reuse_loaded_parts(self) -> None:
+        """After a start, the next checkpoint names a queue by the part file it was loaded
+        from, as a checkpoint names a queue that did not change since the last: the first
+        checkpoint after a restart named a member's million messages anew (1.3 s of the
+        writer's thread while the member caught up with its primary). Only a queue the
+        records replayed did not name, held in memory as the part named it: every message
+        in the index at its place (none paged, none left out as corrupt)."""
+        loaded, self.loaded_parts = self.loaded_parts, {}
+        touched, self.touched = self.touched, set()
+        for key, (ref, name, count) in loaded.items():
+            index = self.where.queues.get(key)
+            if count and key not in touched and index is not None and len(index) == count:
+                self.sections[key] = ref
+                self.section_parts[key] = name
+
+    def _read_part(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """A queue's part of a checkpoint that is a file of its own, whole and checked."""
+        name = entry["part"]
+        if not isinstance(name, str) or not name.startswith(PART_PREFIX) or "/" in name:
+            raise ValueError(f"queue '{entry['queue']}': its part is named {name!r}")
+        try:
+            raw = (self.dir / name).read_bytes()
+        except OSError as unread:
+            raise ValueError(f"queue '{entry['queue']}': its part {name}: {unread}") from None
+        if len(raw) != entry["size"] or zlib.crc32(raw) != entry["crc"]:
+            raise ValueError(f"queue '{entry['queue']}': its part {name} is damaged")
+        section: dict[str, Any] = json.loads(raw)
+        if (section["vhost"], section["queue"]) != (entry["vhost"], entry["queue"]):
+            raise ValueError(f"queue '{entry['queue']}': its part {name} is another queue's")
+        return section
 
     def _ends_at(self, seg: int, at: int, end: int) -> bool:
         """Whether the record at byte `at` of segment `seg` is whole and ends at `end`. A
@@ -1337,6 +1420,12 @@ class Store:
         else:  # checkpoints off: one from before would not follow what the log does now
             (self.dir / "checkpoint").unlink(missing_ok=True)
             checkpoint = None
+        for part in self.dir.glob(f"{PART_PREFIX}*"):  # of no checkpoint: a crash left it
+            if part.name not in self.parts_on_disk:
+                try:
+                    part.unlink()
+                except OSError as kept:
+                    log.warning("cannot delete %s, part of an old checkpoint: %s", part, kept)
         sequencer.applying = self.recovering = True
         try:
             resume_seg = resume_pos = 0
@@ -1427,6 +1516,7 @@ class Store:
                         self.segments[seg] += n
             self.marked = {key for key in self.marked if key in self.where}
             apply.done(broker)
+            self._reuse_loaded_parts()
         finally:
             sequencer.applying = self.recovering = False
         result.messages = len(self.where) + sum(
@@ -1500,6 +1590,7 @@ class Store:
             before = where.get(key)
             where[key] = at
             self.enqueued[at >> AT_BITS] += 1
+            self.touched.add((key[0], key[1]))
         try:
             apply.apply(broker, rtype, payload)
         except apply.NotApplied as exc:
@@ -1514,6 +1605,7 @@ class Store:
             key = records.read_key(payload)
             where.pop(key)
             self.marked.discard(key)
+            self.touched.add((key[0], key[1]))
         elif rtype == records.MARK:
             self.marked.add(records.read_key(payload))
 
@@ -1604,14 +1696,29 @@ class _Captured:
     # The queues that did not change since an earlier checkpoint: named by their part of it.
     reused: dict[tuple[str, str], bytes] = field(default_factory=dict)
     anew: int = 0  # the messages in memory it names anew (the where index's)
+    parts: set[str] = field(default_factory=set)  # the part files of the queues reused
+
+
+@dataclass
+class _Made:
+    """What a checkpoint's writer made: each queue's part as the checkpoint names it (its
+    JSON object, or a reference to its file), the file of each queue's part that has one,
+    and those files' bytes, written beside the checkpoint."""
+
+    sections: dict[tuple[str, str], bytes] = field(default_factory=dict)
+    parts: dict[tuple[str, str], str] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
 TMP_SUFFIX: Final = ".tmp"  # a checkpoint being written: checkpoint.<number>.tmp
-# A checkpoint's file is written whole, the parts of the queues that did not change too (a
-# member names a page by its ids: 11 MB for a million messages): at most this many bytes of
-# it for each record since the last, under half of what the log writes for a record of a
-# 100-byte message. With 256, a member beside a million queued messages wrote 11 MB every
-# 50,000 records, and was back in the ISR no sooner after a kill for replaying less.
+# A queue's part of a checkpoint this large or larger is a file of its own: a deep queue that
+# does not change is named by it, not written again (a million messages: 11 MB).
+PART_BYTES: Final = 1 << 18
+PART_PREFIX: Final = "checkpoint-part."  # checkpoint-part.<token>-<number>-<n>
+# A checkpoint's file is written whole, with the parts of the queues that changed: at most
+# this many bytes of it for each record since the last, under half of what the log writes
+# for a record of a 100-byte message. It bounds what the parts too small for a file of their
+# own (PART_BYTES), written again each time, cost: 10,000 queues of 20 messages, say.
 CHECKPOINT_BYTES_A_RECORD: Final = 64
 DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages it names (`write`)
 # Messages between two turns given to the loop (`give_way`): 8-30 ms of work. Fewer gave
@@ -1641,10 +1748,11 @@ def give_way(work: int = YIELD_EVERY) -> None:
         time.sleep(GIVE_WAY_SECONDS)
 
 
-def _checkpoint_bytes(state: _Captured, made: dict[tuple[str, str], bytes]) -> bytes:
+def _checkpoint_bytes(state: _Captured, made: _Made, prefix: str) -> bytes:
     """A checkpoint's bytes, on the writer's thread: every YIELD_EVERY messages it gives the
-    loop its turn (`give_way`). Each queue's part made anew goes into `made`; a queue in
-    `state.reused` is named by the part it had."""
+    loop its turn (`give_way`). Each queue's part made anew goes into `made`, and one of
+    PART_BYTES or more into a file of its own, named `prefix` and a number, which the
+    checkpoint names; a queue in `state.reused` is named by the part it had."""
     by_queue, head_places = _split_where(state)
     runs = _head_runs(state, head_places)
     # No head page's range holds an id named one by one, nor one of a page read back.
@@ -1701,12 +1809,32 @@ def _checkpoint_bytes(state: _Captured, made: dict[tuple[str, str], bytes]) -> b
                 b"]}",
             ]
         )
-        made[key] = section
+        if len(section) >= PART_BYTES:
+            name = f"{prefix}{len(made.files)}"
+            made.files[name] = section
+            made.parts[key] = name
+            section = _part_ref(key, name, len(section), zlib.crc32(section))
+        made.sections[key] = section
         texts.append(section)
     texts += state.reused.values()
     head = json.dumps(state.head, separators=(",", ":")).encode()
     text = b"".join([head[:-1], b',"queues":[', b",".join(texts), b"]}"])
     return CHECKPOINT_MAGIC + zlib.crc32(text).to_bytes(4, "big") + text
+
+
+def _part_ref(key: tuple[str, str], name: str, size: int, crc: int) -> bytes:
+    """How a checkpoint names a queue's part that is a file of its own."""
+    return b"".join(
+        [
+            b'{"vhost":',
+            json.dumps(key[0]).encode(),
+            b',"queue":',
+            json.dumps(key[1]).encode(),
+            b',"part":',
+            json.dumps(name).encode(),
+            b',"size":%d,"crc":%d}' % (size, crc),
+        ]
+    )
 
 
 Rows = tuple[list[int], list[int], list[int]]  # messages named one by one: offsets, epochs, places
