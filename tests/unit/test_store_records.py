@@ -10,6 +10,8 @@ import zlib
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tandem.broker.model import apply, message, records
 from tandem.broker.model.broker import Broker
@@ -42,6 +44,33 @@ def test_an_enqueue_payload_is_the_same_joined_at_once_or_from_its_parts(
     assert joined == b"".join(records.enqueue_parts(where, msg))
     whole = body if isinstance(body, bytes) else b"".join(body)
     assert records.read_enqueue(joined) == ("/", "q", msg.mid, msg.route, msg.props, whole)
+
+
+@given(
+    vhost=st.text(max_size=20),
+    queue=st.text(max_size=300),
+    epoch=st.integers(0, (1 << 32) - 1),
+    offset=st.integers(0, (1 << 48) - 1),
+)
+def test_a_frames_id_offset_read_in_place_is_the_one_its_key_names(
+    vhost: str, queue: str, epoch: int, offset: int
+) -> None:
+    """A copy for a restarted follower reads the offset of each DEQUEUE's and ENQUEUE's id in
+    place (`id_offset`), and decodes a key only for the ids the follower may hold: the two
+    read the same offset, from a key with its epoch, one written before epochs were part
+    of ids, and an enqueue."""
+    mid = records.mid(epoch, offset)
+    where = records.place(vhost, queue)
+    msg = Message("ex", "rk", message.encode_route("ex", "rk"), b"", b"body", 4)
+    msg.mid = mid
+    for rtype, payload in (
+        (records.DEQUEUE, records.key(vhost, queue, mid)),
+        (records.MARK, where + records.U64.pack(offset)),
+        (records.ENQUEUE, records.enqueue_at(where, msg)),
+    ):
+        frame = records.frame(rtype, 1, 2, payload)
+        assert records.id_offset(frame) == records.mid_offset(records.read_key(payload)[2])
+        assert records.id_offset(frame) == offset
 
 
 def test_torn_tail_is_reported() -> None:

@@ -521,6 +521,19 @@ def read_marks(data: bytes) -> tuple[str, str, list[int]]:
     return vhost, queue, [(e << OFFSET_BITS) | o for o, e in _ID.iter_unpack(data[at:])]
 
 
+def id_offset(frame: bytes) -> int:
+    """The offset part of the message id a whole DEQUEUE, MARK or ENQUEUE frame names, read
+    in place: its names are not decoded nor its payload copied (`Restarted`, on a copy's
+    thread, passes over every such record since a follower's end)."""
+    vlen: int
+    qlen: int
+    offset: int
+    (vlen,) = _read_u16(frame, HEADER)
+    (qlen,) = _read_u16(frame, HEADER + 2 + vlen)
+    (offset,) = U64.unpack_from(frame, HEADER + 4 + vlen + qlen)
+    return offset
+
+
 def read_key(data: bytes) -> tuple[str, str, int]:
     """(vhost, queue, mid) of a DEQUEUE or MARK, or of an ENQUEUE (its leading fields)."""
     vhost, queue, at = read_place(data)

@@ -802,9 +802,10 @@ class Restarted:
         for i, data in enumerate(frames):
             if not i % _SLICE:
                 give_way(min(_SLICE, len(frames) - i))
+            if records.id_offset(data) > upto:
+                continue  # most: the follower never held it (read in place, not decoded)
             vhost, queue, mid = records.read_key(records.payload(data))
-            if mid & records.OFFSET_MASK <= upto:
-                out.setdefault((vhost, queue), set()).add(mid)
+            out.setdefault((vhost, queue), set()).add(mid)
         return out
 
 
