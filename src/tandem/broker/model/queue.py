@@ -260,9 +260,11 @@ class Queue:
     def in_memory(self) -> list[Message]:
         """Its ready messages held in memory (the head, the tail's, the page being filled),
         in the queue's order but for a priority queue's levels."""
-        out = list(self.messages)
-        out += [item for item in self.tail if not isinstance(item, Page)]
-        return out + self.filling
+        out = list(self.messages)  # a copy captures a million this way, on the loop: one list
+        if self.tail:
+            out += [item for item in self.tail if not isinstance(item, Page)]
+        out += self.filling
+        return out
 
     def pages(self) -> list[Page]:
         """Its pages, in order: ready messages that are in the log only."""
