@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,8 @@ def _broker(args: argparse.Namespace) -> int:
     from tandem.broker import config as config_mod
     from tandem.broker.node import Node
 
+    if args.spare and not _become_member(args):
+        return 0
     overrides = {
         "amqp_port": args.amqp_port,
         "admin_port": args.admin_port,
@@ -71,6 +74,26 @@ def _broker(args: argparse.Namespace) -> int:
         print(f"tandem: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _become_member(args: argparse.Namespace) -> bool:
+    """A spare (`local/members.py`): imported, wait for the member to run as, one JSON line
+    on stdin with its config file and output file; False at the end of the input (the
+    cluster stopped)."""
+    with contextlib.suppress(ImportError):  # a dependency on Linux
+        import uvloop  # noqa: F401 - imported now, not once told
+    line = sys.stdin.readline()
+    if not line:
+        return False
+    told = json.loads(line)
+    args.config = told["config"]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    out = os.open(told["output"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    return True
 
 
 def _cluster_up(args: argparse.Namespace) -> int:
@@ -471,6 +494,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--cluster-key-file", help="file holding the cluster's shared key (or TANDEM_CLUSTER_KEY)"
     )
+    # Started by `cluster up` ahead of a restart: told on stdin which member to be.
+    b.add_argument("--spare", action="store_true", help=argparse.SUPPRESS)
     b.set_defaults(func=_broker)
     cl = sub.add_parser(
         "cluster",

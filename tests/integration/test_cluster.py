@@ -192,6 +192,59 @@ def test_a_killed_backup_restarts_from_its_checkpoint_and_serves_every_message(
     assert BUG_PHRASE not in c.logs(), c.logs()
 
 
+def spares(c: LocalCluster) -> list[int]:
+    """The pids of the cluster process's children waiting to be a member (`--spare`; one
+    that was told keeps its command line)."""
+    assert c.proc is not None
+    members = {m["pid"] for m in c.cluster()["members"]}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        if ppid == c.proc.pid and b"--spare" in argv and int(entry.name) not in members:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_killed_member_comes_back_as_the_spare_made_ahead(tmp_path: Path) -> None:
+    """A restart takes the spare process the cluster made beforehand, already imported,
+    rather than a new interpreter on the cores the new primary needs; another spare is
+    made after it, and a stop leaves none behind."""
+    c = LocalCluster(tmp_path / "c", 3).start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (ready := spares(c)):
+            assert time.monotonic() < deadline, "no spare made"
+            time.sleep(0.05)  # polling the process table
+        [spare] = ready
+        publish(c, "sq", range(10))
+        backup = next(m for m in c.cluster()["members"] if m["role"] == "backup")
+        os.kill(backup["pid"], signal.SIGKILL)
+        c.wait_for(
+            lambda s: (
+                backup["node"] in s["isr"]
+                and next(m for m in s["members"] if m["node"] == backup["node"])["pid"] == spare
+            ),
+            "the killed backup back in the ISR as the spare",
+        )
+        log = (c.data_dir / backup["node"] / "broker.log").read_text()
+        assert log.count(" recovered ") == 2, log  # its own output, both lives
+        while not (ready := spares(c)):
+            assert time.monotonic() < deadline + 30, "no spare made after the first was taken"
+            time.sleep(0.05)
+        assert ready != [spare]
+        assert sorted(drain(c, "sq")) == list(range(10))
+    finally:
+        c.stop()
+    assert not Path(f"/proc/{ready[0]}").exists(), "the spare outlived the cluster"
+    assert BUG_PHRASE not in c.logs(), c.logs()
+
+
 def test_cluster_status_prints_the_members(cluster: LocalCluster) -> None:
     run = tandem("cluster", "status", "--url", f"http://127.0.0.1:{cluster.admin_port}")
     assert run.returncode == 0, run.stderr
@@ -279,10 +332,14 @@ def test_a_full_cluster_restart_keeps_every_persistent_message(cluster: LocalClu
 def test_members_die_with_the_cluster_process_and_it_starts_again(
     cluster: LocalCluster,
 ) -> None:
-    """kill -9 of `tandem cluster up` leaves no member behind holding its data dir, so the
-    same command starts the cluster again with its persistent messages."""
+    """kill -9 of `tandem cluster up` leaves no member behind holding its data dir, nor its
+    spare, so the same command starts the cluster again with its persistent messages."""
     publish(cluster, "dq", range(20))
-    pids = [m["pid"] for m in cluster.cluster()["members"]]
+    deadline = time.monotonic() + 30
+    while not spares(cluster):
+        assert time.monotonic() < deadline, "no spare made"
+        time.sleep(0.05)  # polling the process table
+    pids = [m["pid"] for m in cluster.cluster()["members"]] + spares(cluster)
     assert cluster.proc is not None
     cluster.proc.kill()
     cluster.proc.wait(30)
