@@ -503,16 +503,9 @@ def test_a_checkpoint_is_written_without_the_log_held(
     assert held(broker) == {"q": [1, 2, 3, 4]}
 
 
-def test_a_checkpoint_the_disk_cannot_take_leaves_the_last_one_and_no_part(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A full disk fails the checkpoint's write: the last checkpoint stays as it was, no
-    part of the new one is left beside it, and the node goes on (a warning)."""
-    write_log(tmp_path, declare(), *[enqueue(i) for i in range(1, 5)])
-    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
-    checkpointed(store)
-    before = (tmp_path / "log" / "checkpoint").read_bytes()
-    written(store, records.ENQUEUE, "q", 5, 5)
+def checkpoint_on_a_full_disk(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Take a checkpoint whose every file write stops half way on ENOSPC, and run the
+    store's loop until it has failed."""
     real = log_mod.write_file
 
     def full(path: Path, data: bytes, *, durable: bool = False) -> None:
@@ -524,6 +517,19 @@ def test_a_checkpoint_the_disk_cannot_take_leaves_the_last_one_and_no_part(
     store.checkpoint()
     while store.checkpoint_running:
         store.loop.run_until_complete(asyncio.sleep(0.01))
+
+
+def test_a_checkpoint_the_disk_cannot_take_leaves_the_last_one_and_no_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk fails the checkpoint's write: the last checkpoint stays as it was, no
+    part of the new one is left beside it, and the node goes on (a warning)."""
+    write_log(tmp_path, declare(), *[enqueue(i) for i in range(1, 5)])
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
+    checkpointed(store)
+    before = (tmp_path / "log" / "checkpoint").read_bytes()
+    written(store, records.ENQUEUE, "q", 5, 5)
+    checkpoint_on_a_full_disk(store, monkeypatch)
     assert (tmp_path / "log" / "checkpoint").read_bytes() == before
     assert sorted(p.name for p in (tmp_path / "log").glob("checkpoint*")) == ["checkpoint"]
 
@@ -847,17 +853,7 @@ def test_a_part_the_disk_cannot_take_leaves_the_last_checkpoint_whole(
     [part] = parts(tmp_path)
     before = (tmp_path / "log" / "checkpoint").read_bytes()
     written(store, records.ENQUEUE, "deep", DEEP, DEEP)
-    real = log_mod.write_file
-
-    def full(path: Path, data: bytes, *, durable: bool = False) -> None:
-        real(path, data[: len(data) // 2])
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(log_mod, "write_file", full)
-    assert store.loop is not None
-    store.checkpoint()
-    while store.checkpoint_running:
-        store.loop.run_until_complete(asyncio.sleep(0.01))
+    checkpoint_on_a_full_disk(store, monkeypatch)
     assert (tmp_path / "log" / "checkpoint").read_bytes() == before
     assert parts(tmp_path) == [part]
     assert sorted(p.name for p in (tmp_path / "log").glob("checkpoint.*")) == []
