@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import urllib.error
@@ -82,13 +83,17 @@ def _become_member(args: argparse.Namespace) -> bool:
     cluster stopped)."""
     with contextlib.suppress(ImportError):  # a dependency on Linux
         import uvloop  # noqa: F401 - imported now, not once told
+    # A Ctrl-C at the cluster's terminal reaches it too: the cluster ends its input.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     line = sys.stdin.readline()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if not line:
         return False
     told = json.loads(line)
     args.config = told["config"]
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
     out = os.open(told["output"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)

@@ -245,6 +245,19 @@ def test_a_killed_member_comes_back_as_the_spare_made_ahead(tmp_path: Path) -> N
     assert BUG_PHRASE not in c.logs(), c.logs()
 
 
+def test_a_spare_told_nothing_ends_quietly_at_the_end_of_its_input() -> None:
+    """A cluster that stops closes its spare's input without a member to run: the spare
+    exits with 0 and says nothing."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "broker", "--spare"],
+        input="",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+
+
 def test_cluster_status_prints_the_members(cluster: LocalCluster) -> None:
     run = tandem("cluster", "status", "--url", f"http://127.0.0.1:{cluster.admin_port}")
     assert run.returncode == 0, run.stderr

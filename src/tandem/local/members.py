@@ -50,12 +50,13 @@ def restart_delay(previous: float | None, code: int, ran: float) -> float:
 
 def _die_with_parent() -> None:
     """In the child, before exec: the kernel sends it SIGTERM when the cluster process dies
-    (even by kill -9), so no member outlives its cluster holding its data dir."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    (even by kill -9), so no member outlives its cluster holding its data dir. The C library
+    is loaded beforehand: the child of a threaded parent should not load libraries."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 @dataclass(slots=True)
@@ -115,6 +116,8 @@ class Supervisor:
 
     def spare_soon(self) -> None:
         """Make a spare process SPARE_DELAY from now, unless one is being made."""
+        if self.stopping:
+            return
         if self.making_spare is None or self.making_spare.done():
             self.making_spare = asyncio.get_running_loop().create_task(self._make_spare())
 
@@ -225,6 +228,8 @@ class Supervisor:
         self.stopping = True
         if self.making_spare is not None:
             self.making_spare.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.making_spare
         spare, self.spare = self.spare, None
         if spare is not None and spare.returncode is None and spare.stdin is not None:
             spare.stdin.close()  # it ends at the end of its input, told nothing

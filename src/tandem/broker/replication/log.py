@@ -747,8 +747,7 @@ class Copy:
         gone, later = restarted.removed(), restarted.later()
         out = [records.frame(records.DEFINE, self.epoch, self.end, DIFF, False), *self.head]
         for vhost, queue, durable_q, messages, outstanding, pages, q in self.queues:
-            ours = messages  # this copy's own list, read nowhere else: extended in place
-            ours += outstanding.values()
+            ours = messages + list(outstanding.values())
             # Dropped at the follower's start, unrecorded (as RabbitMQ's): none of it held.
             kept_q = durable_q and q.exclusive_owner is None
             lacking = later.get((vhost, queue), set())

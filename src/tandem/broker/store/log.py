@@ -226,7 +226,7 @@ class Store:
         # token in the names of those it writes (a restart numbers checkpoints from 1 again).
         self.section_parts: dict[tuple[str, str], str] = {}
         self.parts_on_disk: set[str] = set()
-        self.token = os.urandom(4).hex()
+        self.token = os.urandom(8).hex()
         # At a start: each queue the checkpoint named by a part file, as (its reference, the
         # file, the messages it names), and the queues the records replayed after it name.
         self.loaded_parts: dict[tuple[str, str], tuple[bytes, str, int]] = {}
@@ -500,7 +500,7 @@ class Store:
                 path.unlink()
             (self.dir / "checkpoint").unlink(missing_ok=True)
             for part in self.dir.glob(f"{PART_PREFIX}*"):
-                part.unlink()
+                part.unlink(missing_ok=True)  # `_drop_parts` may be deleting it too
             self.parts_on_disk = set()
             self._rewrite_epochs(boundaries)
         self.pending.chunks.clear()
@@ -1122,6 +1122,8 @@ class Store:
                 written.append(self.dir / name)
                 write_file(self.dir / name, part, durable=self.fsync)
             write_file(tmp, data, durable=self.fsync)
+            if made.files and self.fsync:
+                sync_dir(self.dir)  # the parts' names on disk before the rename that names them
         except OSError:
             for path in written:  # a full disk keeps no part of it
                 path.unlink(missing_ok=True)
@@ -1200,10 +1202,11 @@ class Store:
     def _reuse_loaded_parts(self) -> None:
         """After a start, the next checkpoint names a queue by the part file it was loaded
         from, as a checkpoint names a queue that did not change since the last: the first
-        checkpoint after a restart named a member's million messages anew (1.3 s of the
-        writer's thread while the member caught up with its primary). Only a queue the
-        records replayed did not name, held in memory as the part named it: every message
-        in the index at its place (none paged, none left out as corrupt)."""
+        checkpoint after a restart named a million messages held in memory anew (1.3 s of
+        the writer's thread). Only a queue the records replayed did not name, held in
+        memory as the part named it: every message in the index at its place (none left
+        out as corrupt). A queue that pages (the default budget) is not: its part names
+        pages, which a start makes again in its own way, and it is named anew."""
         loaded, self.loaded_parts = self.loaded_parts, {}
         touched, self.touched = self.touched, set()
         for key, (ref, name, count) in loaded.items():
@@ -1590,7 +1593,8 @@ class Store:
             before = where.get(key)
             where[key] = at
             self.enqueued[at >> AT_BITS] += 1
-            self.touched.add((key[0], key[1]))
+            if self.loaded_parts:
+                self.touched.add((key[0], key[1]))
         try:
             apply.apply(broker, rtype, payload)
         except apply.NotApplied as exc:
@@ -1605,7 +1609,8 @@ class Store:
             key = records.read_key(payload)
             where.pop(key)
             self.marked.discard(key)
-            self.touched.add((key[0], key[1]))
+            if self.loaded_parts:
+                self.touched.add((key[0], key[1]))
         elif rtype == records.MARK:
             self.marked.add(records.read_key(payload))
 
