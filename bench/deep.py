@@ -63,14 +63,15 @@ class LoneTandem:
         ports = self.dir / "ports.json"
         ports.unlink(missing_ok=True)
         start = time.monotonic()
-        self.proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "tandem.cli", "broker"),
-                *("--amqp-port", "0", "--admin-port", "0", "--data-dir", str(self.dir)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        with open(self.dir / "broker.out", "ab") as out:  # shown if the run fails
+            self.proc = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "tandem.cli", "broker"),
+                    *("--amqp-port", "0", "--admin-port", "0", "--data-dir", str(self.dir)),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         while not ports.exists():
             if self.proc.poll() is not None:
                 raise SystemExit("tandem broker did not start")
@@ -110,6 +111,7 @@ def phase(url: str, pid: int, queue: str, *args: str) -> tuple[dict[str, object]
 def run_tandem(count: int, size: int) -> None:
     data_dir = Path(tempfile.mkdtemp(prefix="tandem-deep-"))
     broker = LoneTandem(data_dir)
+    failed = True
     try:
         broker.start()
         assert broker.proc is not None
@@ -135,9 +137,14 @@ def run_tandem(count: int, size: int) -> None:
             f"  drain  {drained['rate']:>9,.0f} msg/s   peak RSS {drain_rss:>7,.0f} MB"
             f"   log {empty_mb:>9,.0f} MB"
         )
+        failed = False
     finally:
         broker.stop()
-        shutil.rmtree(data_dir, ignore_errors=True)
+        if failed:  # a run that cannot finish is a bug: what the broker said, and its log
+            said = (data_dir / "broker.out").read_text(errors="replace").splitlines()[-30:]
+            print(f"tandem broker's output ({data_dir}, kept), its end:", *said, sep="\n  ")
+        else:
+            shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def run_rabbitmq(url: str, count: int, size: int) -> None:
