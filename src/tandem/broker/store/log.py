@@ -1170,16 +1170,18 @@ class Store:
             loaded = {}
             for i, entry in enumerate(body["queues"]):
                 if "part" in entry:
-                    section = body["queues"][i] = self._read_part(entry)
+                    body["queues"][i] = self._read_part(entry)
                     parts.add(entry["part"])
                     key = (entry["vhost"], entry["queue"])
                     ref = _part_ref(key, entry["part"], entry["size"], entry["crc"])
-                    count = 0 if section["pages"] else len(_unpacked("Q", section["offsets"]))
-                    loaded[key] = (ref, entry["part"], count)
+                    loaded[key] = (ref, entry["part"], 0)  # its messages counted below
             for entry in body["queues"]:  # whole, before anything of it is applied
                 ids = [_unpacked(t, entry[k]) for t, k in (("Q", "offsets"), ("L", "epochs"))]
                 if not len(ids[0]) == len(ids[1]) == len(_unpacked("Q", entry["at"])):
                     raise ValueError(f"queue '{entry['queue']}': arrays of unequal length")
+                key = (entry["vhost"], entry["queue"])
+                if key in loaded and not entry["pages"]:  # reused only if held in memory
+                    loaded[key] = (*loaded[key][:2], len(ids[0]))
                 for page in entry["pages"]:
                     count, _b, _first, _last, extents, segs, *ids = page
                     [(int(a), int(b), int(c)) for a, b, c in extents]
@@ -1409,11 +1411,6 @@ class Store:
         the primary."""
         self.broker, self.sequencer, self.loop = broker, sequencer, loop
         self.dir.mkdir(parents=True, exist_ok=True)
-        for tmp in self.dir.glob(f"checkpoint*{TMP_SUFFIX}"):  # a crash before its rename
-            try:
-                tmp.unlink()
-            except OSError as left:  # only its space is not freed
-                log.warning("cannot delete %s, a checkpoint a crash left: %s", tmp, left)
         result = Recovered()
         paths = sorted(self.dir.glob("*.seg"))
         epochs = self._read_epochs()
@@ -1423,12 +1420,14 @@ class Store:
         else:  # checkpoints off: one from before would not follow what the log does now
             (self.dir / "checkpoint").unlink(missing_ok=True)
             checkpoint = None
-        for part in self.dir.glob(f"{PART_PREFIX}*"):  # of no checkpoint: a crash left it
-            if part.name not in self.parts_on_disk:
-                try:
-                    part.unlink()
-                except OSError as kept:
-                    log.warning("cannot delete %s, part of an old checkpoint: %s", part, kept)
+        # What a crash left: a checkpoint before its rename, a part no checkpoint names.
+        left = list(self.dir.glob(f"checkpoint*{TMP_SUFFIX}"))
+        left += [p for p in self.dir.glob(f"{PART_PREFIX}*") if p.name not in self.parts_on_disk]
+        for path in left:
+            try:
+                path.unlink()
+            except OSError as kept:  # only its space is not freed
+                log.warning("cannot delete %s, part of a checkpoint a crash left: %s", path, kept)
         sequencer.applying = self.recovering = True
         try:
             resume_seg = resume_pos = 0
