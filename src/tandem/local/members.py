@@ -233,11 +233,7 @@ class Supervisor:
         spare, self.spare = self.spare, None
         if spare is not None and spare.returncode is None and spare.stdin is not None:
             spare.stdin.close()  # it ends at the end of its input, told nothing
-            try:
-                await asyncio.wait_for(spare.wait(), 15)
-            except TimeoutError:
-                spare.kill()
-                await spare.wait()
+            await _ended(spare)
         for proc in self.procs.values():
             if proc.alive:
                 assert proc.process is not None
@@ -245,8 +241,13 @@ class Supervisor:
                     proc.process.terminate()
         for proc in self.procs.values():
             if proc.process is not None:
-                try:
-                    await asyncio.wait_for(proc.process.wait(), 15)
-                except TimeoutError:
-                    proc.process.kill()
-                    await proc.process.wait()
+                await _ended(proc.process)
+
+
+async def _ended(process: asyncio.subprocess.Process) -> None:
+    """Wait for a process told to end; killed if it has not within 15 s."""
+    try:
+        await asyncio.wait_for(process.wait(), 15)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
