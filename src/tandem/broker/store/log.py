@@ -29,9 +29,10 @@ also know their messages' ids (`keep_ids`), of which its digest is made; a copy 
 follower pins the pages it reads on its own thread (`pin`, `read_copy`).
 
 Checkpoints: a node (lone or a cluster member) writes `<data_dir>/log/checkpoint` every
-`checkpoint_records` durable records, or every quarter as many as the last one named messages
-in memory anew when that is more (a checkpoint costs in proportion to them), once they are on
-disk. A queue whose messages and their places did not change since the last checkpoint is
+`checkpoint_records` durable records, or every quarter as many as the next one would name
+messages in memory anew when that is more (a checkpoint costs in proportion to them; a deep
+queue that stopped changing is named anew once without that wait), once they are on disk.
+A queue whose messages and their places did not change since the last checkpoint is
 named by its part of that one, as it was: only the queues that changed cost their messages
 again (the `where` index is kept by queue for this: `ByQueue`). The file is written beside
 the checkpoint and renamed over it, without holding up the log's writer.
@@ -196,30 +197,40 @@ class Store:
         self.marked: set[Key] = set()  # live messages with a durable MARK (requeued)
         self.checkpoint_records = checkpoint_records  # 0: no checkpoints
         self.since_checkpoint = 0
-        # Records until the next checkpoint: checkpoint_records, a quarter of the messages
-        # in memory the last one named anew, or the bytes it wrote over
-        # CHECKPOINT_BYTES_A_RECORD, whichever is most. A checkpoint costs about 1.3 µs per
-        # message it names anew (a million: 1.2-1.3 s of the writer thread's time, the GIL
-        # shared with the loop); a queue it names by an earlier part (`sections`) costs no
-        # copy of its entries and no pass over them, and a deep one (PART_BYTES) not even
-        # its bytes: its part is a file the checkpoint names. This keeps it under about 5 µs
-        # a record. A restart, which reads those messages, replays at most about a quarter
-        # as many records after them; a deep queue left alone costs nothing (a member beside
-        # a million messages: a checkpoint every 50,000 records, where its part written
-        # again each time made it every 170,000, and a restart replayed up to 320,000).
+        # Records until the next checkpoint (`_due`): checkpoint_records, a quarter of the
+        # messages in memory the next one would name anew, or the bytes the last one's file
+        # took over CHECKPOINT_BYTES_A_RECORD, whichever is most. A checkpoint costs about
+        # 1.3 µs per message it names anew (a million: 1.2-1.3 s of the writer thread's
+        # time, the GIL shared with the loop); a queue it names by an earlier part
+        # (`sections`) costs no copy of its entries and no pass over them, and a deep one
+        # (PART_BYTES) not even its bytes: its part is a file the checkpoint names. This
+        # keeps it under about 5 µs a record. A restart, which reads those messages,
+        # replays at most about a quarter as many records after them; a deep queue left
+        # alone costs nothing (a member beside a million messages: a checkpoint every
+        # 50,000 records, where its part written again each time made it every 170,000,
+        # and a restart replayed up to 320,000). `checkpoint_due` is when to look next.
         self.checkpoint_due = checkpoint_records
+        # A deep queue that stopped changing is named once more without that wait (`_due`):
+        # it must be named anew once anyway, and from then on it costs nothing. Once only
+        # until a checkpoint comes by the rule above: a deep queue that changes now and then
+        # could otherwise be named anew every checkpoint_records records.
+        self.settle_once = False
+        self.early = False  # the checkpoint scheduled is the early one
         self.checkpoint_scheduled = False
         # One is being made: the next waits for it to end. Two at once shared the GIL with
         # the loop and each other, took longer, and the one written fell further behind.
         self.checkpoint_running = False
         self.checkpoints_made = 0  # the newest checkpoint written wins, whichever thread ends first
         self.checkpoint_written = 0
-        self.checkpoint_size = 0  # bytes the last one wrote, its parts' files too
+        # Bytes of the last one's file, written whole each time; not its parts' files,
+        # which are written only for queues named anew (counted as messages).
+        self.checkpoint_size = 0
         # Each queue's part of the last checkpoint written (its JSON object), and the queues
-        # whose messages or their places changed since the last capture: a checkpoint names
-        # a queue that did not change with its part of an earlier one, which costs nothing.
+        # whose messages or their places changed since the last capture, each with the
+        # records since it when it last did: a checkpoint names a queue that did not change
+        # with its part of an earlier one, which costs nothing.
         self.sections: dict[tuple[str, str], bytes] = {}
-        self.changed: set[tuple[str, str]] = set()
+        self.changed: dict[tuple[str, str], int] = {}
         # A part of PART_BYTES or more is a file of its own, which the checkpoints that name
         # the queue by it leave as it is (`sections` holds the reference): the part file of
         # each such section, the part files the checkpoint on disk names, and this process's
@@ -286,13 +297,13 @@ class Store:
         if self.checkpoint_records:
             self.since_checkpoint += 1
             if self.since_checkpoint >= self.checkpoint_due:
-                self._checkpoint_soon()
+                self._due()
 
     def _change(self, key: Key) -> None:
         """The messages of `key`'s queue, or where they are, changed: the next checkpoint
         names them anew (`_captured`)."""
         if self.sections or self.checkpoint_running:
-            self.changed.add((key[0], key[1]))
+            self.changed[(key[0], key[1])] = self.since_checkpoint
 
     def forget_queue(self, vhost: str, queue: str) -> None:
         self._forget({(vhost, queue)})
@@ -315,7 +326,8 @@ class Store:
 
     def _forget(self, queues: set[tuple[str, str]]) -> None:
         """The messages of `queues` are no longer live."""
-        self.changed |= queues
+        for name in queues:
+            self.changed[name] = self.since_checkpoint
         for vhost, queue in queues:
             index = self.where.drop(vhost, queue)
             if index is not None:
@@ -352,7 +364,7 @@ class Store:
                 return None
             ats.append(at)
         page = Page(key, len(msgs), sum(m.body_size for m in msgs), msgs[0].mid, msgs[-1].mid)
-        self.changed.add(key)
+        self.changed[key] = self.since_checkpoint
         if self.keep_ids:
             page.ids = pack_ids([m.mid for m in msgs])
         extents: list[list[int]] = []
@@ -419,7 +431,7 @@ class Store:
         if pages is None or page not in pages:
             return
         pages.discard(page)
-        self.changed.add(page.key)
+        self.changed[page.key] = self.since_checkpoint
         if not pages:
             del self.pages[page.key]
         for seg in page.segs:
@@ -513,6 +525,7 @@ class Store:
         self.handed = self._synced = 0
         self.checkpoint_due = self.checkpoint_records
         self.checkpoint_size = 0
+        self.settle_once = self.early = False
         self.sections.clear()
         self.section_parts.clear()
         self.changed.clear()
@@ -995,7 +1008,36 @@ class Store:
                 self.sections.update(made.sections)
                 self.section_parts.update(made.parts)
         if newest and self.since_checkpoint >= self.checkpoint_due and not self.closed:
+            self._due()
+
+    def _due(self) -> None:
+        """Enough records for a checkpoint, if what it would name anew allows: it is taken,
+        or looked at again after an eighth of checkpoint_records more."""
+        if self.checkpoint_scheduled or self.checkpoint_running:
+            return  # looked at when the one being made ends
+        since, least = self.since_checkpoint, self.checkpoint_records
+        wait = max(least, self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD)
+        if since >= max(wait, self._anew() // DUE_SHARE):
             self._checkpoint_soon()
+        elif self.settle_once and since >= max(wait, self._anew(since - least // 2) // DUE_SHARE):
+            self.early = True  # the queues still changing allow it
+            self._checkpoint_soon()
+        else:
+            self.checkpoint_due = since + max(1, least // 8)
+
+    def _anew(self, after: int = -1) -> int:
+        """The messages in memory the next checkpoint would name anew, of the queues that
+        changed later than `after` records since the last. Pages are not counted: a page
+        costs its ids at most, and a queue far deeper than memory would leave no checkpoint
+        for millions of records."""
+        queues = self.where.queues
+        if not self.sections:  # none written, or a reset since: all of them
+            return sum(len(index) for index in queues.values())
+        return sum(
+            len(index)
+            for key, at in self.changed.items()
+            if at > after and (index := queues.get(key)) is not None
+        )
 
     def checkpoint(self) -> None:
         """Take a checkpoint of the state now; written once every record it names is on
@@ -1021,11 +1063,8 @@ class Store:
         started = time.monotonic()
         gc.collect(1)
         state, number, generation = self._captured(), self.checkpoints_made, self.generation
-        self.checkpoint_due = max(
-            self.checkpoint_records,
-            state.anew // DUE_SHARE,
-            self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD,
-        )
+        self.checkpoint_due = self.checkpoint_records  # then as `_due` finds
+        self.settle_once, self.early = not self.early, False
         gc.freeze()
         loop = self.loop
         self.checkpoint_running = True
@@ -1045,7 +1084,7 @@ class Store:
         for key in self.changed:
             sections.pop(key, None)
             self.section_parts.pop(key, None)
-        self.changed = set()
+        self.changed = {}
         reused = dict(sections)
         parts = {self.section_parts[key] for key in reused if key in self.section_parts}
         pages = [
@@ -1097,10 +1136,7 @@ class Store:
                 del self.where.queues[key]
             elif key not in reused:
                 where[key] = [dict(shard) for shard in index.dicts()]
-        # Pages are not counted: a page costs its ids at most, and a queue far deeper than
-        # memory would leave no checkpoint for millions of records.
-        anew = sum(len(shard) for shards in where.values() for shard in shards)
-        return _Captured(head, where, pages, heads, reused, anew, parts)
+        return _Captured(head, where, pages, heads, reused, parts)
 
     def _write_checkpoint(self, state: _Captured, number: int, generation: int) -> _Made | None:
         """Write the checkpoint, and return each queue's part of it; None when it is not
@@ -1110,8 +1146,8 @@ class Store:
         made = _Made()
         # Without the lock: the writer goes on meanwhile.
         data = _checkpoint_bytes(state, made, f"{PART_PREFIX}{self.token}-{number}-")
-        # What it writes: a deep queue that did not change is named by its part's file.
-        self.checkpoint_size = len(data) + sum(map(len, made.files.values()))
+        # Its parts' files are counted as the messages they name (`_due`).
+        self.checkpoint_size = len(data)
         # Written and synced beside it without the lock too: the log's writer takes the lock
         # for each batch, and waited for the whole file (11 MB with a million messages) and
         # its fsync. Only the rename is under it, after the checks. Two may be in flight.
@@ -1429,6 +1465,10 @@ class Store:
             except OSError as kept:  # only its space is not freed
                 log.warning("cannot delete %s, part of a checkpoint a crash left: %s", path, kept)
         sequencer.applying = self.recovering = True
+        # What a start makes lives on: the young collections' walks were a sixteenth of a
+        # replay's time. It is frozen at the end (collector.py), not walked.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             resume_seg = resume_pos = 0
             lasts: dict[int, int] = {}  # where each segment's last record begins, if known
@@ -1521,6 +1561,9 @@ class Store:
             self._reuse_loaded_parts()
         finally:
             sequencer.applying = self.recovering = False
+            gc.freeze()
+            if collecting:
+                gc.enable()
         result.messages = len(self.where) + sum(
             p.count for pages in self.pages.values() for p in pages
         )
@@ -1699,7 +1742,6 @@ class _Captured:
     heads: list[tuple[tuple[str, str], list[Message]]] = field(default_factory=list)
     # The queues that did not change since an earlier checkpoint: named by their part of it.
     reused: dict[tuple[str, str], bytes] = field(default_factory=dict)
-    anew: int = 0  # the messages in memory it names anew (the where index's)
     parts: set[str] = field(default_factory=set)  # the part files of the queues reused
 
 
@@ -1719,12 +1761,13 @@ TMP_SUFFIX: Final = ".tmp"  # a checkpoint being written: checkpoint.<number>.tm
 # does not change is named by it, not written again (a million messages: 11 MB).
 PART_BYTES: Final = 1 << 18
 PART_PREFIX: Final = "checkpoint-part."  # checkpoint-part.<token>-<number>-<n>
-# A checkpoint's file is written whole, with the parts of the queues that changed: at most
-# this many bytes of it for each record since the last, under half of what the log writes
-# for a record of a 100-byte message. It bounds what the parts too small for a file of their
-# own (PART_BYTES), written again each time, cost: 10,000 queues of 20 messages, say.
+# A checkpoint's file is written whole each time: at most this many bytes of it for each
+# record since the last, under half of what the log writes for a record of a 100-byte
+# message. It bounds what the parts too small for a file of their own (PART_BYTES), written
+# again each time, cost: 10,000 queues of 20 messages, say. A part file is written only for
+# a queue named anew, and counted as its messages (`_due`).
 CHECKPOINT_BYTES_A_RECORD: Final = 64
-DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages it names (`write`)
+DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages it names (`_due`)
 # Messages between two turns given to the loop (`give_way`): 8-30 ms of work. Fewer gave
 # the loop more of the GIL and the checkpoint less: with 1,024, a lone node filling 2,000,000
 # messages ran 1.3 times as fast, but the checkpoint written lagged, and a restart after
