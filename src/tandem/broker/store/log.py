@@ -1465,10 +1465,6 @@ class Store:
             except OSError as kept:  # only its space is not freed
                 log.warning("cannot delete %s, part of a checkpoint a crash left: %s", path, kept)
         sequencer.applying = self.recovering = True
-        # What a start makes lives on: the young collections' walks were a sixteenth of a
-        # replay's time. It is frozen at the end (collector.py), not walked.
-        collecting = gc.isenabled()
-        gc.disable()
         try:
             resume_seg = resume_pos = 0
             lasts: dict[int, int] = {}  # where each segment's last record begins, if known
@@ -1561,9 +1557,6 @@ class Store:
             self._reuse_loaded_parts()
         finally:
             sequencer.applying = self.recovering = False
-            gc.freeze()
-            if collecting:
-                gc.enable()
         result.messages = len(self.where) + sum(
             p.count for pages in self.pages.values() for p in pages
         )
