@@ -240,48 +240,6 @@ def test_a_backup_acks_records_only_once_they_are_on_its_disk(tmp_path: Path) ->
     asyncio.run(run())
 
 
-def test_a_backup_taking_records_while_it_writes_acks_each_batch_once_written(
-    tmp_path: Path,
-) -> None:
-    """A backup acks a batch once it is written, though records came since that are not
-    yet: an ack that waited for the newest ones went only once the writer had nothing left,
-    and a backup catching up under load acked nothing for seconds."""
-
-    async def run() -> None:
-        a, to_b, b_primary = primary_with_follower()
-        seq = Sequencer()
-        broker = Broker(seq)
-        store = Store(tmp_path, fsync=False)
-        seq.disk = store
-        store.open(broker, seq, asyncio.get_running_loop())
-        b = member.Member("b", broker, seq, store, Hooks(), key=b"k" * 16, data_dir=None, isr_min=1)
-        b.loop = asyncio.get_running_loop()
-        upstream = Primary(store)
-        b.upstream = Follower(upstream).link
-        b._control(core.Follow("a", 1))
-        a.on_peer(wire.decode(upstream.data))
-        b.on_peer(wire.decode(to_b.data))
-        await until(lambda: not b.ack_scheduled)  # the copy written, and acked
-        copied = len(upstream.acks)
-        store.write_recent = 1.0  # batches go to the writer's thread
-        q = b_primary.vhost("/").queues["q"]
-        ends = []
-        with store.lock:  # the writer is held mid-batch (as by a slow disk)
-            for _ in range(2):
-                sent = len(to_b.data)
-                publish(q)
-                a._flush(due=True)
-                b.on_peer(wire.decode(to_b.data[sent:]))
-                ends.append(b.log.end)
-                await asyncio.sleep(0)  # the first goes to the writer, the second waits
-        await until(lambda: upstream.acks[-1][0] == b.log.end)
-        store.close()
-        assert [acked for acked, _synced in upstream.acks[copied:]] == ends
-        assert all(acked <= synced for acked, synced in upstream.acks), upstream.acks
-
-    asyncio.run(run())
-
-
 class FlowHooks(Hooks):
     def __init__(self) -> None:
         self.flows: list[bool] = []

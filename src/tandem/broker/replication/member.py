@@ -181,12 +181,9 @@ class Member:
         self.shipped = 0  # offset of the last record sent to the followers
         self.flush_scheduled = False
         self.lazy: asyncio.TimerHandle | None = None
-        # The ack to send, with the store's last record then: it goes once that is on disk;
-        # and the newest since, which goes once its own records are. An ack replaced by each
-        # newer one went only once the writer had nothing left: a backup catching up under
-        # load acked nothing for seconds, until it had caught up (`_send_ack`).
+        # The newest ack to send, with the store's last record then: it goes once that is on
+        # disk.
         self.ack: tuple[str, core.Ack, int] | None = None
-        self.next_ack: tuple[str, core.Ack, int] | None = None
         # Followers whose copy is being made on another thread: what else goes to them
         # meanwhile is held and sent after it, in the order the core meant.
         self.copying: dict[str, _Making] = {}
@@ -428,11 +425,7 @@ class Member:
         made: tuple[core.Append, tuple[int, ...], bytes] | None = None  # the last Append
         for dest, msg in outs:
             if isinstance(msg, core.Ack) and self.store is not None:
-                waiting = (dest, msg, self.store.handed)  # sent once that is on disk
-                if self.ack is None:
-                    self.ack = waiting
-                else:
-                    self.next_ack = waiting
+                self.ack = (dest, msg, self.store.handed)  # sent once that is on disk
                 if not self.ack_scheduled:
                     self.ack_scheduled = True
                     self.store.when_synced(self._send_ack)
@@ -502,20 +495,16 @@ class Member:
             self._write(dest, data)
 
     def _send_ack(self) -> None:
-        """Send the newest ack whose records are on disk (rule 3: acked once on disk), and
-        wait for the next batch if a newer one's are not yet."""
-        store = self.store
-        ready: tuple[str, core.Ack, int] | None = None
-        while store is not None and self.ack is not None:
-            if store.synced < min(self.ack[2], store.handed):
-                break  # called back for an earlier batch: its records are written next
-            ready, self.ack, self.next_ack = self.ack, self.next_ack, None
-        if ready is not None:
-            dest, msg, _need = ready
+        if self.ack is not None and self.store is not None:
+            dest, msg, need = self.ack
+            store = self.store
+            if store.synced < min(need, store.handed):
+                # Called back for an earlier batch: this ack's records came after it, and
+                # are written next (rule 3: acked once on disk).
+                store.when_synced(self._send_ack)
+                return
+            self.ack = None
             self._write(dest, wire.encode(msg, self._takes(dest)))
-        if store is not None and self.ack is not None:
-            store.when_synced(self._send_ack)
-            return
         self.ack_scheduled = False
 
     def _write(self, dest: str, data: bytes) -> None:
