@@ -726,12 +726,26 @@ def deep_store(tmp_path: Path) -> Store:
     return store
 
 
+def part_bytes(store: Store) -> int:
+    """The size of the deep queue's part file."""
+    return (store.dir / store.section_parts[("/", "deep")]).stat().st_size
+
+
+def renamed(store: Store, part: int) -> int:
+    """When a checkpoint is due that names the deep queue anew: a quarter of the messages in
+    memory, or the bytes of the file and of the part written again over 64."""
+    return max(
+        len(store.where) // 4,
+        (store.checkpoint_size + part) // log_mod.CHECKPOINT_BYTES_A_RECORD,
+    )
+
+
 def test_a_deep_queue_left_alone_is_not_counted_as_named_anew(tmp_path: Path) -> None:
     """A checkpoint that names a deep queue by its part of the last one neither copies nor
     passes over its messages: the next is due after checkpoint_records (or the bytes its
     file took over CHECKPOINT_BYTES_A_RECORD), not after a quarter of the deep queue's
-    messages again, so that a start replays less. Once the deep queue changes, and goes on
-    changing, it is named anew, and counted again."""
+    messages again (nor its part's bytes over 64), so that a start replays less. Once the
+    deep queue changes, and goes on changing, it is named anew, and counted again."""
     store = deep_store(tmp_path)
     store.checkpoint_records = 64
     checkpointed(store)
@@ -740,8 +754,10 @@ def test_a_deep_queue_left_alone_is_not_counted_as_named_anew(tmp_path: Path) ->
     assert due_after(store, "busy", range(DEEP, 2 * DEEP)) == 64
     checkpointed(store, scheduled=True)  # the deep queue by its part of the last one
     assert store.sections[("/", "deep")] is first
+    part = part_bytes(store)
     since = due_after(store, "deep", range(DEEP, 2 * DEEP))
-    assert len(store.where) // 4 <= since < len(store.where) // 4 + 64 // 8  # looked at every 8
+    assert renamed(store, part) <= since < renamed(store, part) + 64 // 8  # looked at every 8
+    assert since > 64
     checkpointed(store, scheduled=True)
     assert store.sections[("/", "deep")] is not first
 
@@ -773,8 +789,9 @@ def test_a_deep_queue_that_stopped_changing_is_named_anew_once_without_waiting(
     assert store.sections[("/", "deep")] is not first
     # ...not after an early one: the deep queue changes, and waits a quarter of its messages.
     written(store, records.ENQUEUE, "deep", 4 * DEEP, 4 * DEEP)
+    part = part_bytes(store)
     since = due_after(store, "busy", range(4 * DEEP + 1, 5 * DEEP))
-    assert len(store.where) // 4 <= since < len(store.where) // 4 + 64 // 8
+    assert renamed(store, part) <= since < renamed(store, part) + 64 // 8
 
 
 def test_a_deep_queue_that_did_not_change_is_not_written_again(

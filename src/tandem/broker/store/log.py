@@ -198,8 +198,9 @@ class Store:
         self.checkpoint_records = checkpoint_records  # 0: no checkpoints
         self.since_checkpoint = 0
         # Records until the next checkpoint (`_due`): checkpoint_records, a quarter of the
-        # messages in memory the next one would name anew, or the bytes the last one's file
-        # took over CHECKPOINT_BYTES_A_RECORD, whichever is most. A checkpoint costs about
+        # messages in memory the next one would name anew, or the bytes of the last one's
+        # file and of the part files it would write again over CHECKPOINT_BYTES_A_RECORD,
+        # whichever is most. A checkpoint costs about
         # 1.3 µs per message it names anew (a million: 1.2-1.3 s of the writer thread's
         # time, the GIL shared with the loop); a queue it names by an earlier part
         # (`sections`) costs no copy of its entries and no pass over them, and a deep one
@@ -212,8 +213,9 @@ class Store:
         self.checkpoint_due = checkpoint_records
         # A deep queue that stopped changing is named once more without that wait (`_due`):
         # it must be named anew once anyway, and from then on it costs nothing. Once only
-        # until a checkpoint comes by the rule above: a deep queue that changes now and then
-        # could otherwise be named anew every checkpoint_records records.
+        # until a checkpoint that is not early (by the rule above, a start's, a copy's): a
+        # deep queue that changes now and then could otherwise be named anew every
+        # checkpoint_records records.
         self.settle_once = False
         self.early = False  # the checkpoint scheduled is the early one
         self.checkpoint_scheduled = False
@@ -223,7 +225,7 @@ class Store:
         self.checkpoints_made = 0  # the newest checkpoint written wins, whichever thread ends first
         self.checkpoint_written = 0
         # Bytes of the last one's file, written whole each time; not its parts' files,
-        # which are written only for queues named anew (counted as messages).
+        # written again only for the queues that change (`_cost`).
         self.checkpoint_size = 0
         # Each queue's part of the last checkpoint written (its JSON object), and the queues
         # whose messages or their places changed since the last capture, each with the
@@ -1011,32 +1013,48 @@ class Store:
             self._due()
 
     def _due(self) -> None:
-        """Enough records for a checkpoint, if what it would name anew allows: it is taken,
-        or looked at again after an eighth of checkpoint_records more."""
+        """Enough records for a checkpoint, if what it would name anew allows (`_cost`): it
+        is taken, or looked at again after an eighth of checkpoint_records more."""
         if self.checkpoint_scheduled or self.checkpoint_running:
             return  # looked at when the one being made ends
         since, least = self.since_checkpoint, self.checkpoint_records
-        wait = max(least, self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD)
-        if since >= max(wait, self._anew() // DUE_SHARE):
+        if since < max(least, self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD):
+            self.checkpoint_due = max(least, self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD)
+        elif since >= self._cost():
             self._checkpoint_soon()
-        elif self.settle_once and since >= max(wait, self._anew(since - least // 2) // DUE_SHARE):
+        elif self.settle_once and since >= self._cost(since - least // 2):
             self.early = True  # the queues still changing allow it
             self._checkpoint_soon()
         else:
             self.checkpoint_due = since + max(1, least // 8)
 
-    def _anew(self, after: int = -1) -> int:
-        """The messages in memory the next checkpoint would name anew, of the queues that
-        changed later than `after` records since the last. Pages are not counted: a page
-        costs its ids at most, and a queue far deeper than memory would leave no checkpoint
-        for millions of records."""
+    def _cost(self, after: int = -1) -> int:
+        """The records the next checkpoint waits for, for the queues that changed later than
+        `after` records since the last (the others are named by their parts, or were named
+        anew at most once since a checkpoint by the rule, `settle_once`): a quarter of their
+        messages in memory, and the bytes of the file and of their part files over
+        CHECKPOINT_BYTES_A_RECORD. Pages are not counted as messages: a page costs its ids
+        at most, and a queue far deeper than memory would leave no checkpoint for millions
+        of records; a member's pages, named by their ids, are in its part's bytes."""
         queues = self.where.queues
-        if not self.sections:  # none written, or a reset since: all of them
-            return sum(len(index) for index in queues.values())
-        return sum(
-            len(index)
-            for key, at in self.changed.items()
-            if at > after and (index := queues.get(key)) is not None
+        least = max(self.checkpoint_records, self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD)
+        if not self.sections:  # none written, or a reset since: all of them, in memory
+            return max(least, sum(len(index) for index in queues.values()) // DUE_SHARE)
+        messages = written = 0
+        for key, at in self.changed.items():
+            if at <= after:
+                continue
+            index = queues.get(key)
+            if index is not None:
+                messages += len(index)
+            part = self.section_parts.get(key)
+            if part is not None:  # written again, as big as it was
+                with contextlib.suppress(OSError):
+                    written += (self.dir / part).stat().st_size
+        return max(
+            least,
+            messages // DUE_SHARE,
+            (self.checkpoint_size + written) // CHECKPOINT_BYTES_A_RECORD,
         )
 
     def checkpoint(self) -> None:
@@ -1146,7 +1164,7 @@ class Store:
         made = _Made()
         # Without the lock: the writer goes on meanwhile.
         data = _checkpoint_bytes(state, made, f"{PART_PREFIX}{self.token}-{number}-")
-        # Its parts' files are counted as the messages they name (`_due`).
+        # Its parts' files count only when their queue changes again (`_cost`).
         self.checkpoint_size = len(data)
         # Written and synced beside it without the lock too: the log's writer takes the lock
         # for each batch, and waited for the whole file (11 MB with a million messages) and
@@ -1758,7 +1776,7 @@ PART_PREFIX: Final = "checkpoint-part."  # checkpoint-part.<token>-<number>-<n>
 # record since the last, under half of what the log writes for a record of a 100-byte
 # message. It bounds what the parts too small for a file of their own (PART_BYTES), written
 # again each time, cost: 10,000 queues of 20 messages, say. A part file is written only for
-# a queue named anew, and counted as its messages (`_due`).
+# a queue named anew, and counted when its queue changes again (`_cost`).
 CHECKPOINT_BYTES_A_RECORD: Final = 64
 DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages it names (`_due`)
 # Messages between two turns given to the loop (`give_way`): 8-30 ms of work. Fewer gave
