@@ -200,16 +200,16 @@ class Store:
         # Records until the next checkpoint (`_due`): checkpoint_records, a quarter of the
         # messages in memory the next one would name anew, or the bytes of the last one's
         # file and of the part files it would write again over CHECKPOINT_BYTES_A_RECORD,
-        # whichever is most. A checkpoint costs about
-        # 1.3 µs per message it names anew (a million: 1.2-1.3 s of the writer thread's
-        # time, the GIL shared with the loop); a queue it names by an earlier part
-        # (`sections`) costs no copy of its entries and no pass over them, and a deep one
-        # (PART_BYTES) not even its bytes: its part is a file the checkpoint names. This
-        # keeps it under about 5 µs a record. A restart, which reads those messages,
-        # replays at most about a quarter as many records after them; a deep queue left
-        # alone costs nothing (a member beside a million messages: a checkpoint every
-        # 50,000 records, where its part written again each time made it every 170,000,
-        # and a restart replayed up to 320,000). `checkpoint_due` is when to look next.
+        # whichever is most. A checkpoint costs about 1.3 µs per message it names anew (a
+        # million: 1.2-1.3 s of the writer thread's time, the GIL shared with the loop); a
+        # queue it names by an earlier part (`sections`) costs no copy of its entries and no
+        # pass over them, and a deep one (PART_BYTES) not even its bytes: its part is a
+        # file the checkpoint names. This keeps it under about 5 µs a record. A restart,
+        # which reads those messages, replays at most about a quarter as many records after
+        # them; a deep queue left alone costs nothing (a member beside a million messages: a
+        # checkpoint every 50,000 records, where its part written again each time made it
+        # every 170,000, and a restart replayed up to 320,000). `checkpoint_due` is when to
+        # look next.
         self.checkpoint_due = checkpoint_records
         # A deep queue that stopped changing is named once more without that wait (`_due`):
         # it must be named anew once anyway, and from then on it costs nothing. Once only
@@ -1018,28 +1018,29 @@ class Store:
         if self.checkpoint_scheduled or self.checkpoint_running:
             return  # looked at when the one being made ends
         since, least = self.since_checkpoint, self.checkpoint_records
-        if since < max(least, self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD):
-            self.checkpoint_due = max(least, self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD)
-        elif since >= self._cost():
+        wait = max(least, self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD)
+        if since < wait:
+            self.checkpoint_due = wait
+        elif since >= self._cost(wait):
             self._checkpoint_soon()
-        elif self.settle_once and since >= self._cost(since - least // 2):
+        elif self.settle_once and since >= self._cost(wait, since - least // 2):
             self.early = True  # the queues still changing allow it
             self._checkpoint_soon()
         else:
             self.checkpoint_due = since + max(1, least // 8)
 
-    def _cost(self, after: int = -1) -> int:
-        """The records the next checkpoint waits for, for the queues that changed later than
-        `after` records since the last (the others are named by their parts, or were named
-        anew at most once since a checkpoint by the rule, `settle_once`): a quarter of their
-        messages in memory, and the bytes of the file and of their part files over
-        CHECKPOINT_BYTES_A_RECORD. Pages are not counted as messages: a page costs its ids
-        at most, and a queue far deeper than memory would leave no checkpoint for millions
-        of records; a member's pages, named by their ids, are in its part's bytes."""
+    def _cost(self, wait: int, after: int = -1) -> int:
+        """The records the next checkpoint waits for, at least `wait`, for the queues that
+        changed later than `after` records since the last (the others are named by their
+        parts, or named anew at most once since a checkpoint by the rule, `settle_once`): a
+        quarter of their messages in memory, and the bytes of the file and of their part
+        files over CHECKPOINT_BYTES_A_RECORD. Pages are not counted as messages: a page
+        costs its ids at most, and a queue far deeper than memory would leave no checkpoint
+        for millions of records; a member's pages, named by their ids, are in its part's
+        bytes."""
         queues = self.where.queues
-        least = max(self.checkpoint_records, self.checkpoint_size // CHECKPOINT_BYTES_A_RECORD)
         if not self.sections:  # none written, or a reset since: all of them, in memory
-            return max(least, sum(len(index) for index in queues.values()) // DUE_SHARE)
+            return max(wait, sum(len(index) for index in queues.values()) // DUE_SHARE)
         messages = written = 0
         for key, at in self.changed.items():
             if at <= after:
@@ -1052,7 +1053,7 @@ class Store:
                 with contextlib.suppress(OSError):
                     written += (self.dir / part).stat().st_size
         return max(
-            least,
+            wait,
             messages // DUE_SHARE,
             (self.checkpoint_size + written) // CHECKPOINT_BYTES_A_RECORD,
         )
