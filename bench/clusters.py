@@ -56,6 +56,16 @@ def _running(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
+def keep_if_failed(data: Path, output: Path, what: str, failed: bool, lines: int = 40) -> None:
+    """After a run: delete `data`; after a failed one (a run that cannot finish is a bug),
+    keep it and show the end of `output`, which says why."""
+    if not failed:
+        shutil.rmtree(data, ignore_errors=True)
+        return
+    tail = output.read_text(errors="replace").splitlines()[-lines:]
+    print(f"{what} ({data}, kept), its end:", *tail, sep="\n  ")
+
+
 class TandemCluster:
     def __init__(self, replicas: int = 3, env: dict[str, str] | None = None, *args: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="tandem-ha-bench-"))
@@ -133,11 +143,7 @@ class TandemCluster:
         self.proc.send_signal(signal.SIGINT)
         self.proc.wait(60)
         self.log.close()
-        if failed:
-            tail = (self.dir / "cluster.log").read_text(errors="replace").splitlines()[-40:]
-            print(f"tandem cluster log ({self.dir}, kept), its end:", *tail, sep="\n  ")
-        else:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        keep_if_failed(self.dir, self.dir / "cluster.log", "tandem cluster log", failed)
 
 
 class RabbitCluster:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import pika
+from clusters import keep_if_failed
 from firehose import ensure_rabbitmq, node, rabbitmq_pid, rss_mb
 
 
@@ -140,11 +140,7 @@ def run_tandem(count: int, size: int) -> None:
         failed = False
     finally:
         broker.stop()
-        if failed:  # a run that cannot finish is a bug: what the broker said, and its log
-            said = (data_dir / "broker.out").read_text(errors="replace").splitlines()[-30:]
-            print(f"tandem broker's output ({data_dir}, kept), its end:", *said, sep="\n  ")
-        else:
-            shutil.rmtree(data_dir, ignore_errors=True)
+        keep_if_failed(data_dir, data_dir / "broker.out", "tandem broker's output", failed, 30)
 
 
 def run_rabbitmq(url: str, count: int, size: int) -> None:
