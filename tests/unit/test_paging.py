@@ -147,6 +147,43 @@ def test_the_first_pages_of_a_tail_stay_in_memory_up_to_the_budget(tmp_path: Pat
     assert [int(q.get(no_ack=True).body_bytes()) for _ in range(4)] == [2, 3, 4, 6]  # type: ignore[union-attr]
 
 
+def test_a_queue_started_as_pages_keeps_new_messages_in_memory_while_its_budget_allows(
+    tmp_path: Path,
+) -> None:
+    """A start leaves the head a checkpoint names in the log as pages, and a queue with pages
+    takes each new message at their end, to keep its order. Those stay in memory while the
+    budget allows (4 KiB: about seven 300-byte messages with their overhead); paged out and
+    read back, a backup rejoining under load spent a fifth of its time on its busy queue's
+    messages. Past the budget they page, a page filled before the next message stays."""
+    write_log(tmp_path, declare(), *(enqueue(i) for i in range(2, 10)))
+    store, broker = recover(tmp_path, page_bytes=4096, checkpoint_records=1)
+    store._write_checkpoint(store._captured(), 1, store.generation)
+    store.close()
+    store, broker = recover(tmp_path, page_bytes=4096, checkpoint_records=1)
+    q = broker.vhost("/").queues["q"]
+    assert q.paged == 8
+
+    def taken(mid: int) -> None:
+        """Written and applied, as a backup takes an ENQUEUE."""
+        m = Message("", "q", b"\x00\x01q", PERSISTENT, b"%0300d" % mid, 300)
+        m.mid = records.mid(1, mid)
+        data = records.frame(records.ENQUEUE, 1, mid, records.enqueue("/", "q", m))
+        store.write(records.ENQUEUE, mid, data, ("/", "q", m.mid))
+        apply.apply(broker, records.ENQUEUE, records.payload(data))
+
+    for mid in range(10, 16):
+        taken(mid)
+    assert q.paged == 8 and q.ready == 14  # none paged: 6 x (300 + 256) bytes < 4 KiB
+    for mid in range(16, 26):
+        taken(mid)
+    assert q.paged > 8  # past the budget
+    apply.done(broker)
+    taker = Taker()
+    q.add_consumer(taker)
+    q.dispatch()
+    assert taker.got == list(range(2, 26))
+
+
 def test_pages_of_a_queue_deleted_and_declared_again_in_the_log_are_released(
     tmp_path: Path,
 ) -> None:

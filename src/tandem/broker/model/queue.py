@@ -207,6 +207,7 @@ class Queue:
         self.tail: collections.deque[Message | Page] = collections.deque()
         self.tail_count = 0
         self.tail_bytes = 0
+        self.tail_held = 0  # what the tail's messages in memory cost, as the budget counts
         self.filling: list[Message] = []
         self.filling_bytes = 0
         # Only a plain durable queue pages: one with priorities, a TTL or a length limit
@@ -349,28 +350,39 @@ class Queue:
     # -- paging --------------------------------------------------------------------------
 
     def _over_budget(self) -> bool:
-        """True when the head has used the queue's memory budget."""
+        """True when the messages held in memory, the head's and the tail's, have used
+        the queue's memory budget."""
         budget = self.vhost.journal.page_budget
-        head = self.bytes - self.tail_bytes + OVERHEAD * len(self.messages)
+        head = self.bytes - self.tail_bytes + OVERHEAD * len(self.messages) + self.tail_held
         return bool(budget) and head >= budget
 
     def _to_tail(self, msg: Message) -> None:
         """Put a message at the end of the tail: into the next page if it can stay in the
-        log (persistent, no expiration), else kept in memory as it is."""
+        log (persistent, no expiration) and the queue's memory is used up, else kept in
+        memory as it is. A queue with a tail takes every new message there, to keep its
+        order: one restarted with its messages as pages had every message paged out and
+        read back until its tail ran out, even with its memory unused (a backup rejoining
+        under load read back its busy queue's messages to mark them)."""
         size = msg.body_size
         self.tail_count += 1
         self.tail_bytes += size
         self.bytes += size
         if self.index is not None:
             self.index[msg.mid] = msg
-        if msg.persistent and msg.expiration is None and self.pageable:
-            self.filling.append(msg)
+        if (
+            msg.persistent
+            and msg.expiration is None
+            and self.pageable
+            and (self.filling or self._over_budget())
+        ):
+            self.filling.append(msg)  # a page begun is filled: no page of one message
             self.filling_bytes += size
             if self.filling_bytes >= min(PAGE_BYTES, self.vhost.journal.page_budget // 4):
                 self._seal()
         else:
             self._seal()
             self.tail.append(msg)
+            self.tail_held += size + OVERHEAD
 
     def _seal(self) -> None:
         """Make the next page of the filling messages; the store holds them until their
@@ -383,6 +395,7 @@ class Queue:
         page = self.vhost.journal.page_out(self, msgs)
         if page is None:  # their records are not all in the log yet: they stay in memory
             self.tail.extend(msgs)
+            self.tail_held += sum(m.body_size for m in msgs) + OVERHEAD * len(msgs)
             return
         self.tail.append(page)
         index = self.index
@@ -413,6 +426,7 @@ class Queue:
                     m.refs += 1
             else:
                 msgs, count, size = [item], 1, item.body_size
+                self.tail_held -= size + OVERHEAD
             tail.popleft()
         elif self.filling:
             msgs, count, size = self.filling, len(self.filling), self.filling_bytes
@@ -778,5 +792,5 @@ class Queue:
             msg.refs -= 1
         self.tail.clear()
         self.filling.clear()
-        self.tail_count = self.tail_bytes = self.filling_bytes = 0
+        self.tail_count = self.tail_bytes = self.tail_held = self.filling_bytes = 0
         self.bytes = 0
