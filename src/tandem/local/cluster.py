@@ -153,7 +153,9 @@ class LocalCluster:
                 raise _port_error(
                     "AMQPS clients (the front port)", "--tls-port", self.front.tls_port, exc
                 ) from None
-        supervisor = Supervisor(self.procs, key_file, self.base_config, self._exited)
+        supervisor = Supervisor(
+            self.procs, key_file, self.base_config, self._exited, settled=self._settled
+        )
         async with aiohttp.ClientSession() as session:
             self.session = session
             polls = HttpObserver(self.procs, session, key)
@@ -257,6 +259,13 @@ class LocalCluster:
             lag_records=lag.lag_records,
             lag_seconds=lag.lag_seconds,
             in_isr=record is not None and p.node in record.isr,
+        )
+
+    def _settled(self) -> bool:
+        """Every member that runs is in the ISR: none is starting or catching up."""
+        record = self.observer.record if self.observer is not None else None
+        return record is not None and all(
+            p.node in record.isr for p in self.procs.values() if p.alive
         )
 
     def describe(self) -> ClusterStatus:

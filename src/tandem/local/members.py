@@ -7,7 +7,9 @@ HTTP ports observe and command; its process exit is what makes it down at once.
 A restart takes a spare: a `tandem broker --spare` process started beforehand, which has
 imported the broker and waits to be told which member it is. A new interpreter spent about
 0.4 s importing under load, on the same cores as the new primary its clients were
-reconnecting to; the spare for the next restart is made SPARE_DELAY later.
+reconnecting to; the spare for the next restart is made SPARE_DELAY later, once every
+member that runs is in the ISR (at most SPARE_MOST_DELAY later): its import took a share of
+the two cores from a backup that was catching up with a deep queue under load.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ log = logging.getLogger(__name__)
 
 RESTART_DELAY = 0.1  # after a member exits, before it is started again
 SPARE_DELAY = 2.0  # after a spare is taken (or the members started), before the next is made
+SPARE_MOST_DELAY = 10.0  # ... and at most this long while a member is not in the ISR
+SPARE_LOOK = 0.1  # how often the cluster is looked at meanwhile
 MAX_RESTART_DELAY = 10.0
 STEADY_SECONDS = 30.0  # a member that ran this long before it exited was not crash-looping
 
@@ -105,24 +109,30 @@ class Supervisor:
         key_file: Path,
         base_config: dict[str, Any],
         on_exit: Callable[[Proc], None],
+        settled: Callable[[], bool] = lambda: True,
     ) -> None:
         self.procs = procs
         self.key_file = key_file
         self.base_config = base_config
         self.on_exit = on_exit
+        self.settled = settled  # whether every member that runs is in the ISR
         self.stopping = False
         self.spare: asyncio.subprocess.Process | None = None
         self.making_spare: asyncio.Task[None] | None = None
 
     def spare_soon(self) -> None:
-        """Make a spare process SPARE_DELAY from now, unless one is being made."""
+        """Make a spare process SPARE_DELAY from now, or once the members are settled
+        after that, unless one is being made."""
         if self.stopping:
             return
         if self.making_spare is None or self.making_spare.done():
             self.making_spare = asyncio.get_running_loop().create_task(self._make_spare())
 
     async def _make_spare(self) -> None:
+        until = time.monotonic() + SPARE_MOST_DELAY
         await asyncio.sleep(SPARE_DELAY)
+        while not self.settled() and time.monotonic() < until:
+            await asyncio.sleep(SPARE_LOOK)
         if self.stopping or (self.spare is not None and self.spare.returncode is None):
             return
         try:
