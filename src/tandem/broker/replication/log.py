@@ -664,18 +664,19 @@ class Copy:
             ours = messages + list(outstanding.values())
             paged: list[list[int]] = []  # each page's ids
             for page, kept in pages:
-                give_way(page.count)
+                give_way(page.count // _LOOKED)
                 mids = page.mids()
                 if kept is None and mids is not None and _holds(theirs_q, mids):
                     paged.append(mids)  # the follower holds all of it: not read
                     continue
+                give_way(page.count)
                 msgs = self._page_messages(page, kept, q)
                 paged.append(mids if mids is not None else [m.mid for m in msgs])
                 ours += msgs
             if theirs_q is not None:  # only what they lack or what carries a mark
                 lacked: list[Message] = []
                 for at in range(0, len(ours), _SLICE):
-                    give_way(min(_SLICE, len(ours) - at))
+                    give_way(min(_SLICE, len(ours) - at) // _LOOKED)
                     lacked += [
                         m
                         for m in ours[at : at + _SLICE]
@@ -687,7 +688,7 @@ class Copy:
             if theirs_q:
                 gone = theirs_q  # read no more: what is left of it is what went
                 for at in range(0, len(messages), _SLICE):
-                    give_way(min(_SLICE, len(messages) - at))
+                    give_way(min(_SLICE, len(messages) - at) // _LOOKED)
                     gone.difference_update(map(_MID, messages[at : at + _SLICE]))
                 gone.difference_update(outstanding)
                 for mids in paged:
@@ -752,7 +753,7 @@ class Copy:
             kept_q = durable_q and q.exclusive_owner is None
             lacking = later.get((vhost, queue), set())
             for page, kept in pages:
-                give_way(page.count)
+                give_way(page.count // _LOOKED)
                 mids = page.mids()
                 if (
                     kept is None
@@ -762,10 +763,11 @@ class Copy:
                     and lacking.isdisjoint(mids)
                 ):
                     continue  # the follower holds all of it
+                give_way(page.count)
                 ours += self._page_messages(page, kept, q)
             lacked: list[Message] = []
             for at in range(0, len(ours), _SLICE):
-                give_way(min(_SLICE, len(ours) - at))
+                give_way(min(_SLICE, len(ours) - at) // _LOOKED)
                 part = ours[at : at + _SLICE]
                 lacked += _lacked(part, upto, lacking, outstanding) if kept_q else part
             held = functools.partial(_kept, kept_q=kept_q, upto=upto, lacking=lacking)
@@ -917,6 +919,11 @@ _MID: Final = operator.attrgetter("mid")
 # which counts the work: a queue or page of a few messages is not a turn of its own). Not
 # Final, as the other constants are: a test makes it small to cross slices.
 _SLICE = 1 << 16
+# A message only looked at (its id compared, or put in a set or taken out), not encoded or
+# read back, counts as this share of one (`give_way`). Counted whole, a copy for a member
+# that restarted with a deep queue, which looks at each of its million messages and encodes
+# few, gave the loop 25 turns of 11 ms each: 0.3 s of its 0.45.
+_LOOKED: Final = 16
 
 
 _BIG: Final = array.array("H", [1]).tobytes() == b"\x00\x01"
