@@ -1640,33 +1640,59 @@ class Store:
         if offset > sequencer.offset:  # a snapshot restates the position it was made at
             sequencer.follow(epoch, offset)
         where = self.where
+        # A message record is read once, for the store and for the model (as a backup
+        # takes one): read twice, its key took an eighth of a replay.
         if rtype == records.ENQUEUE:
+            try:
+                vhost, queue, mid, route, props, body = records.read_enqueue(payload)
+            except Exception as exc:  # not a record it can apply: as apply.apply says
+                self._set_aside(
+                    epoch, offset, rtype, payload, _not_applied(rtype, payload, exc), result
+                )
+                return
             # Its place is known before it applies: the queue may page it at once. The last
             # copy of a record carried forward is the one that counts.
-            key = records.read_key(payload)
+            key = (vhost, queue, mid)
             before = where.get(key)
             where[key] = at
             self.enqueued[at >> AT_BITS] += 1
             if self.loaded_parts:
-                self.touched.add((key[0], key[1]))
-        try:
-            apply.apply(broker, rtype, payload)
-        except apply.NotApplied as exc:
-            if rtype == records.ENQUEUE:
+                self.touched.add((vhost, queue))
+            try:
+                apply.enqueue(broker, vhost, queue, mid, route, props, body)
+            except Exception as exc:  # whatever failed, it is this record's failure
                 if before is None:
                     where.pop(key)
                 else:
                     where[key] = before
-            self._set_aside(epoch, offset, rtype, payload, str(exc), result)
+                self._set_aside(
+                    epoch, offset, rtype, payload, _not_applied(rtype, payload, exc), result
+                )
             return
-        if rtype == records.DEQUEUE:
-            key = records.read_key(payload)
+        if rtype == records.DEQUEUE or rtype == records.MARK:
+            try:
+                vhost, queue, mid = key = records.read_key(payload)
+                if rtype == records.DEQUEUE:
+                    apply.dequeue(broker, vhost, queue, mid)
+                else:
+                    apply.mark(broker, vhost, queue, mid)
+            except Exception as exc:  # whatever failed, it is this record's failure
+                self._set_aside(
+                    epoch, offset, rtype, payload, _not_applied(rtype, payload, exc), result
+                )
+                return
+            if rtype == records.MARK:
+                self.marked.add(key)
+                return
             where.pop(key)
             self.marked.discard(key)
             if self.loaded_parts:
-                self.touched.add((key[0], key[1]))
-        elif rtype == records.MARK:
-            self.marked.add(records.read_key(payload))
+                self.touched.add((vhost, queue))
+            return
+        try:
+            apply.apply(broker, rtype, payload)
+        except apply.NotApplied as failed:
+            self._set_aside(epoch, offset, rtype, payload, str(failed), result)
 
     def _set_aside(
         self, epoch: int, offset: int, rtype: int, payload: bytes, why: str, result: Recovered
@@ -1786,6 +1812,11 @@ DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages i
 # kill -9 replayed more (serving in 2.8-5.1 s, not 1.8; docs/performance.md).
 YIELD_EVERY: Final = 1 << 14
 GIVE_WAY_SECONDS: Final = 0.0001
+
+
+def _not_applied(rtype: int, payload: bytes, exc: Exception) -> str:
+    """Why a record could not be applied, as apply.apply says it (`NotApplied`)."""
+    return str(apply.NotApplied(f"{apply.describe(rtype, payload)}: {exc!r}"))
 
 
 _owed = 0  # work done since the last turn given, in messages (`give_way`)
