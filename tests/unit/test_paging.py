@@ -184,6 +184,23 @@ def test_a_queue_started_as_pages_keeps_new_messages_in_memory_while_its_budget_
     assert taker.got == list(range(2, 26))
 
 
+def test_a_message_record_a_start_cannot_read_is_set_aside_and_the_rest_recovered(
+    tmp_path: Path,
+) -> None:
+    """A replay reads each message record once, for the store and for the queue. One that
+    cannot be read (a bug wrote it: its frame and checksum are whole) is set aside, with
+    the words and the file a record the model cannot apply gets, and the start goes on."""
+    bad_enqueue = records.frame(records.ENQUEUE, 1, 3, b"\x01/\x01q")
+    bad_dequeue = records.frame(records.DEQUEUE, 1, 5, b"\x01/")
+    write_log(tmp_path, declare(), enqueue(2), bad_enqueue, enqueue(4), bad_dequeue)
+    store, broker = recover(tmp_path, page_bytes=1 << 20)
+    assert bodies(broker.vhost("/").queues["q"]) == [2, 4]
+    aside = tmp_path / "log" / "not-applied"
+    assert sorted(p.name for p in aside.iterdir()) == ["1-3.rec", "1-5.rec"]
+    assert (aside / "1-3.rec").read_bytes() == bad_enqueue
+    assert len(store.where) == 2
+
+
 def test_pages_of_a_queue_deleted_and_declared_again_in_the_log_are_released(
     tmp_path: Path,
 ) -> None:
