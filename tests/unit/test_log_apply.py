@@ -655,6 +655,26 @@ def test_a_copy_that_only_looks_at_messages_gives_the_loop_few_turns(
     assert len(given) <= 1  # two, counted whole
 
 
+def test_messages_looked_at_a_few_at_a_time_count_as_many_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hundred thousand queues of ten messages, each looked at by a copy, count as a
+    million messages do: counted a queue at a time, each was rounded down to nothing, and
+    the copy never gave the loop its turn."""
+    import time
+
+    from tandem.broker.replication import log as log_mod
+    from tandem.broker.store import log as store_log
+
+    given: list[float] = []
+    monkeypatch.setattr(time, "sleep", given.append)
+    monkeypatch.setattr(log_mod, "_looked", 0)
+    monkeypatch.setattr(store_log, "_owed", 0)
+    for _queue in range(100_000):
+        log_mod._look(10)
+    assert len(given) == 1_000_000 // log_mod._LOOKED // store_log.YIELD_EVERY
+
+
 @given(mids=st.lists(st.integers(0, 2**40), unique=True, max_size=40))
 def test_a_copy_orders_and_reads_a_slice_at_a_time_as_all_at_once(mids: list[int]) -> None:
     """A copy is made on another thread a slice at a time (`_SLICE`, small here), so as not

@@ -4,8 +4,9 @@ A queue deeper than its memory budget (`Journal.page_budget`, the node's
 `queue_memory_bytes`) keeps only its head in memory: the persistent messages after it stay
 in the log as pages (`journal.Page`), each read back when the head runs out, as RabbitMQ's
 lazy and quorum queues keep bodies on disk. The order is the queue's: `messages` (the head),
-then `tail` (pages, and messages that cannot be paged: transient ones, or ones with an
-expiration), then `filling` (the next page, not yet made).
+then `tail` (pages, and messages kept in memory in their place: ones that cannot be paged,
+transient or with an expiration, and new ones while the budget allows), then `filling` (the
+next page, not yet made).
 """
 
 from __future__ import annotations
@@ -353,8 +354,8 @@ class Queue:
         """True when the messages held in memory, the head's and the tail's, have used
         the queue's memory budget."""
         budget = self.vhost.journal.page_budget
-        head = self.bytes - self.tail_bytes + OVERHEAD * len(self.messages) + self.tail_held
-        return bool(budget) and head >= budget
+        held = self.bytes - self.tail_bytes + OVERHEAD * len(self.messages) + self.tail_held
+        return bool(budget) and held >= budget
 
     def _to_tail(self, msg: Message) -> None:
         """Put a message at the end of the tail: into the next page if it can stay in the
