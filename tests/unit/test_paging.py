@@ -201,6 +201,22 @@ def test_a_message_record_a_start_cannot_read_is_set_aside_and_the_rest_recovere
     assert len(store.where) == 2
 
 
+def test_a_message_a_checkpoint_names_that_cannot_be_read_is_set_aside(tmp_path: Path) -> None:
+    """The same for a message a checkpoint names, read at the start (no budget): its frame
+    and checksum are whole, its route's length is past its end."""
+    seg = write_log(tmp_path, declare(), enqueue(2), enqueue(3))
+    store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1)
+    store._write_checkpoint(store._captured(), 1, store.generation)
+    store.close()
+    good = records.payload(enqueue(3))
+    bad = records.frame(records.ENQUEUE, 1, 3, good[:14] + b"\xff\xff" + good[16:])
+    assert len(bad) == len(enqueue(3))
+    seg.write_bytes(seg.read_bytes().replace(enqueue(3), bad))
+    _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1)
+    assert bodies(broker.vhost("/").queues["q"]) == [2]
+    assert (tmp_path / "log" / "not-applied" / "1-3.rec").read_bytes() == bad
+
+
 def test_pages_of_a_queue_deleted_and_declared_again_in_the_log_are_released(
     tmp_path: Path,
 ) -> None:

@@ -1373,8 +1373,13 @@ class Store:
                         log.error("corrupt record in the log, skipped: %s", corrupt)
                     result.corrupt.append(corrupt)
                     continue
-                payload = records.read_at(data, pos)[3]
-                _v, _q, _mid, route, props, body_ = records.read_enqueue(payload)
+                rtype, epoch, offset, payload = records.read_at(data, pos)
+                try:
+                    _v, _q, _mid, route, props, body_ = records.read_enqueue(payload)
+                except Exception as exc:  # whole and checked, but not a record it can read
+                    why = _not_applied(rtype, payload, exc)
+                    self._set_aside(epoch, offset, rtype, payload, why, result)
+                    continue
                 self.where[(q.vhost.name, q.name, mid)] = (seg << AT_BITS) | pos
                 items.setdefault(q, []).append((mid, apply.message(q, mid, route, props, body_)))
         for q, queue_pages in pages.items():
