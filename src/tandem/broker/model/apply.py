@@ -56,7 +56,13 @@ def apply(broker: Broker, rtype: int, payload: bytes) -> None:
     try:
         _apply(broker, rtype, payload)
     except Exception as exc:  # whatever failed, it is reported as this record's failure
-        raise NotApplied(f"{describe(rtype, payload)}: {exc!r}") from exc
+        raise failed(rtype, payload, exc) from exc
+
+
+def failed(rtype: int, payload: bytes, exc: Exception) -> NotApplied:
+    """What `apply` raises when a record fails: its description and why. Those that read a
+    message record themselves and apply what they read (a backup, a replay) say it so too."""
+    return NotApplied(f"{describe(rtype, payload)}: {exc!r}")
 
 
 def describe(rtype: int, payload: bytes) -> str:

@@ -418,9 +418,7 @@ class BrokerLog:
     def _not_applied(
         self, epoch: int, offset: int, rtype: int, payload: bytes, exc: Exception
     ) -> None:
-        self._set_aside(
-            epoch, offset, apply.NotApplied(f"{apply.describe(rtype, payload)}: {exc!r}")
-        )
+        self._set_aside(epoch, offset, apply.failed(rtype, payload, exc))
 
     def page_short(self, what: str) -> None:
         """A page of this member's log read back short (a corrupt record): its state lacks

@@ -1377,8 +1377,7 @@ class Store:
                 try:
                     _v, _q, _mid, route, props, body_ = records.read_enqueue(payload)
                 except Exception as exc:  # whole and checked, but not a record it can read
-                    why = _not_applied(rtype, payload, exc)
-                    self._set_aside(epoch, offset, rtype, payload, why, result)
+                    self._not_applied(epoch, offset, rtype, payload, exc, result)
                     continue
                 self.where[(q.vhost.name, q.name, mid)] = (seg << AT_BITS) | pos
                 items.setdefault(q, []).append((mid, apply.message(q, mid, route, props, body_)))
@@ -1651,9 +1650,7 @@ class Store:
             try:
                 vhost, queue, mid, route, props, body = records.read_enqueue(payload)
             except Exception as exc:  # not a record it can apply: as apply.apply says
-                self._set_aside(
-                    epoch, offset, rtype, payload, _not_applied(rtype, payload, exc), result
-                )
+                self._not_applied(epoch, offset, rtype, payload, exc, result)
                 return
             # Its place is known before it applies: the queue may page it at once. The last
             # copy of a record carried forward is the one that counts.
@@ -1670,9 +1667,7 @@ class Store:
                     where.pop(key)
                 else:
                     where[key] = before
-                self._set_aside(
-                    epoch, offset, rtype, payload, _not_applied(rtype, payload, exc), result
-                )
+                self._not_applied(epoch, offset, rtype, payload, exc, result)
             return
         if rtype == records.DEQUEUE or rtype == records.MARK:
             try:
@@ -1682,9 +1677,7 @@ class Store:
                 else:
                     apply.mark(broker, vhost, queue, mid)
             except Exception as exc:  # whatever failed, it is this record's failure
-                self._set_aside(
-                    epoch, offset, rtype, payload, _not_applied(rtype, payload, exc), result
-                )
+                self._not_applied(epoch, offset, rtype, payload, exc, result)
                 return
             if rtype == records.MARK:
                 self.marked.add(key)
@@ -1696,8 +1689,23 @@ class Store:
             return
         try:
             apply.apply(broker, rtype, payload)
-        except apply.NotApplied as failed:
-            self._set_aside(epoch, offset, rtype, payload, str(failed), result)
+        except apply.NotApplied as why:
+            self._set_aside(epoch, offset, rtype, payload, str(why), result)
+
+    def _not_applied(
+        self,
+        epoch: int,
+        offset: int,
+        rtype: int,
+        payload: bytes,
+        exc: Exception,
+        result: Recovered,
+    ) -> None:
+        """A message record read here and applied with what was read failed: set aside,
+        in the words apply.apply's failure has (`apply.failed`)."""
+        self._set_aside(
+            epoch, offset, rtype, payload, str(apply.failed(rtype, payload, exc)), result
+        )
 
     def _set_aside(
         self, epoch: int, offset: int, rtype: int, payload: bytes, why: str, result: Recovered
@@ -1817,11 +1825,6 @@ DUE_SHARE: Final = 4  # a checkpoint every at least this share of the messages i
 # kill -9 replayed more (serving in 2.8-5.1 s, not 1.8; docs/performance.md).
 YIELD_EVERY: Final = 1 << 14
 GIVE_WAY_SECONDS: Final = 0.0001
-
-
-def _not_applied(rtype: int, payload: bytes, exc: Exception) -> str:
-    """Why a record could not be applied, as apply.apply says it (`NotApplied`)."""
-    return str(apply.NotApplied(f"{apply.describe(rtype, payload)}: {exc!r}"))
 
 
 _owed = 0  # work done since the last turn given, in messages (`give_way`)
