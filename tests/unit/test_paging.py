@@ -1018,3 +1018,114 @@ def test_a_start_names_a_deep_queue_by_the_part_it_was_loaded_from(
     _store, broker = recover(tmp_path, page_bytes=0, checkpoint_records=1 << 20)
     deep = list(range(1, DEEP + (replayed == "deep")))
     assert held(broker) == {"busy": [DEEP] if replayed == "busy" else [], "deep": deep}
+
+
+def on_disk(store: Store) -> None:
+    """Run the store's loop until what it was handed is written."""
+    assert store.loop is not None
+    done: asyncio.Future[None] = store.loop.create_future()
+    store.when_synced(lambda: done.set_result(None))
+    store.loop.run_until_complete(done)
+
+
+def started_as_a_page(tmp_path: Path, last: int = 9) -> tuple[Store, Broker, Queue]:
+    """Messages 2..last named by a checkpoint, so that a start leaves them in the log as one
+    page that knows its ids."""
+    write_log(tmp_path, declare(), *(enqueue(i) for i in range(2, last + 1)))
+    store, _broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    checkpointed(store)
+    store.close()
+    store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    q = broker.vhost("/").queues["q"]
+    assert q.paged == last - 1 and not store.where
+    return store, broker, q
+
+
+def taken(store: Store, broker: Broker, rtype: int, mid: int, offset: int) -> None:
+    """A DEQUEUE or MARK as a backup takes one: a dequeue is applied, then stored."""
+    data = keyed(rtype, mid, offset=offset)
+    key = ("/", "q", records.mid(1, mid))
+    if rtype != records.DEQUEUE:
+        store.write(rtype, offset, data, key)
+    apply.apply(broker, rtype, records.payload(data))
+    if rtype == records.DEQUEUE:
+        store.write(rtype, offset, data, key)
+
+
+class Redelivered(Taker):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flags: list[bool] = []
+
+    def deliver(self, queue: Queue, msg: Message) -> None:
+        super().deliver(queue, msg)
+        self.flags.append(msg.redelivered)
+
+
+def test_a_page_forgets_a_message_that_leaves_it_without_being_read(tmp_path: Path) -> None:
+    """A backup applies the dequeue of each message its primary delivered, and a restarted
+    member those of the busy queue its start left as pages: each page was read back only to
+    drop its messages one by one (a seventh of a rejoining member's time). A page that knows
+    its ids forgets a message unread, takes a mark the same way, and goes, records and all,
+    once it holds nothing."""
+    store, broker, q = started_as_a_page(tmp_path)
+    taken(store, broker, records.DEQUEUE, 2, 10)
+    taken(store, broker, records.MARK, 3, 11)
+    assert (q.paged, q.ready, store.where.queues) == (7, 7, {})  # nothing read back
+    assert store.segments[1] == 8  # the page's records are live until it goes
+    for mid in range(3, 10):
+        taken(store, broker, records.DEQUEUE, mid, 9 + mid)
+    assert (q.paged, q.ready, q.bytes, q.tail_bytes) == (0, 0, 0, 0)
+    assert not store.pages and store.segments[1] == 0  # the segment can go
+    on_disk(store)
+    store.close()
+    _store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    assert broker.vhost("/").queues["q"].depth == 0  # each dequeue was written
+
+
+def test_a_page_read_back_after_it_forgot_some_brings_back_the_rest_marked(
+    tmp_path: Path,
+) -> None:
+    """The page is read back when the queue gets to it: what it forgot stays gone, a message
+    marked while paged goes out redelivered, and the records of those forgotten are no
+    longer live."""
+    store, broker, q = started_as_a_page(tmp_path)
+    taken(store, broker, records.DEQUEUE, 2, 10)
+    taken(store, broker, records.DEQUEUE, 4, 11)
+    taken(store, broker, records.MARK, 5, 12)
+    apply.done(broker)
+    taker = Redelivered()
+    q.add_consumer(taker)
+    q.dispatch()
+    assert taker.got == [3, 5, 6, 7, 8, 9]
+    assert taker.flags == [False, True, False, False, False, False]
+    assert store.segments[1] == 0  # delivered without acks, and 2 and 4 dequeued
+
+
+@pytest.mark.parametrize("checkpoint", [True, False], ids=["checkpoint", "replay"])
+def test_what_a_page_forgot_stays_gone_after_a_restart(tmp_path: Path, checkpoint: bool) -> None:
+    """After a restart, from a checkpoint taken since (which names the page without what it
+    forgot) or by replaying the dequeues (which the page forgets again, unread): the rest
+    come back, a message requeued while paged (a durable mark) redelivered."""
+    store, broker, q = started_as_a_page(tmp_path)
+    taken(store, broker, records.DEQUEUE, 2, 10)
+    taken(store, broker, records.DEQUEUE, 3, 11)
+    key = ("/", "q", records.mid(1, 6))
+    store.write(records.MARK, 12, keyed(records.MARK, 6, offset=12), key)
+    apply.mark(broker, "/", "q", records.mid(1, 6))
+    assert not store.where and q.paged == 6
+    if checkpoint:
+        checkpointed(store)
+    else:
+        on_disk(store)
+    store.close()
+    store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    q = broker.vhost("/").queues["q"]
+    assert q.paged == 6 and not store.where  # the dequeues replayed read nothing back
+    assert key in store.marked  # a later checkpoint names the mark still
+    apply.done(broker)
+    taker = Redelivered()
+    q.add_consumer(taker)
+    q.dispatch()
+    assert taker.got == [4, 5, 6, 7, 8, 9]
+    assert taker.flags == [False, False, True, False, False, False]

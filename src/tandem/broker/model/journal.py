@@ -48,17 +48,26 @@ class Page:
     message ids; the rest is the store's.
 
     On a cluster member a page also knows its messages' ids (`ids`, 8 bytes each), which
-    the member's digest and the primary's copy compare without reading the page back."""
+    the member's digest and the primary's copy compare without reading the page back. A
+    page that knows its ids (those, or a checkpoint's `only`) also takes a record that
+    removes or marks one of them without being read (`forget`, `mark`): a backup applies
+    the dequeues of messages its primary delivered from a deep queue, and a restarted member
+    those of the busy queue its start left as pages, and read every page back to drop it.
+    A message forgotten keeps its record in the log, and its bytes in `body_bytes`, until
+    the page is read back or gone."""
 
     __slots__ = (
         "body_bytes",
         "count",
         "extents",
         "first_mid",
+        "gone",
         "held",
         "ids",
         "key",
+        "known",
         "last_mid",
+        "marked",
         "only",
         "segs",
     )
@@ -81,18 +90,64 @@ class Page:
         self.only: dict[int, int] | None = None
         # Its messages' ids as (epoch, offsets) pairs (`pack_ids`), where they are kept.
         self.ids: list[tuple[int, array.array[int]]] | None = None
+        # The ids that left the queue (`forget`) or were delivered (`mark`) while here,
+        # and `ids` as a set, made for the first of those.
+        self.gone: set[int] | None = None
+        self.marked: set[int] | None = None
+        self.known: set[int] | None = None
 
     def mids(self) -> list[int] | None:
         """Its messages' ids, where it knows them (`ids`, or a checkpoint's `only`)."""
         if self.only is not None:
-            return list(self.only)
-        if self.ids is None:
+            out = list(self.only)
+        elif self.ids is None:
             return None
-        out: list[int] = []
-        for epoch, offsets in self.ids:
-            high = epoch << records.OFFSET_BITS
-            out += map(high.__or__, offsets)
-        return out
+        else:
+            out = []
+            for epoch, offsets in self.ids:
+                high = epoch << records.OFFSET_BITS
+                out += map(high.__or__, offsets)
+        gone = self.gone
+        return [mid for mid in out if mid not in gone] if gone else out
+
+    def holds(self, mid: int) -> bool:
+        """True when it knows it holds message `mid` (not forgotten), without a read; False
+        too for a page that does not know its ids, or holds its messages in memory until
+        their records are written (`held`: read back at no cost)."""
+        if self.held is not None or not self.first_mid <= mid <= self.last_mid:
+            return False
+        if self.only is not None:
+            found = mid in self.only
+        elif self.ids is not None:
+            if self.known is None:
+                self.known = set(self.mids() or ())
+            found = mid in self.known
+        else:
+            return False
+        return found and not (self.gone and mid in self.gone)
+
+    def forget(self, mid: int) -> bool:
+        """Message `mid`, which it holds, left its queue (a record said so): True when it is
+        forgotten without a read; False when the page must be read back for it."""
+        if not self.holds(mid):
+            return False
+        if self.gone is None:
+            self.gone = set()
+        self.gone.add(mid)
+        self.count -= 1
+        if self.marked:
+            self.marked.discard(mid)
+        return True
+
+    def mark(self, mid: int) -> bool:
+        """Message `mid`, which it holds, was delivered: it comes back redelivered. False
+        when the page must be read back for it."""
+        if not self.holds(mid):
+            return False
+        if self.marked is None:
+            self.marked = set()
+        self.marked.add(mid)
+        return True
 
 
 def pack_ids(mids: list[int]) -> list[tuple[int, array.array[int]]]:
@@ -161,7 +216,12 @@ class Journal(Protocol):
         """A page's messages, read back; the page is gone from the store unless `keep`."""
 
     def page_drop(self, page: Page) -> None:
-        """A page's messages are gone (their queue was deleted)."""
+        """A page's messages are gone (their queue was deleted, or each was forgotten)."""
+
+    def page_forget(self, page: Page, mid: int) -> bool:
+        """Message `mid` of `page` left its queue (a record the model applies said so):
+        True when the page forgets it unread (`Page.forget`), False when it must be read
+        back first."""
 
 
 class Disk(Protocol):
@@ -195,6 +255,9 @@ class Disk(Protocol):
 
     def page_drop(self, page: Page) -> None:
         """See Journal.page_drop."""
+
+    def page_forget(self, page: Page, mid: int) -> bool:
+        """See Journal.page_forget."""
 
 
 class Shipper(Protocol):
@@ -433,6 +496,9 @@ class Sequencer:
     def page_drop(self, page: Page) -> None:
         if self.disk is not None:
             self.disk.page_drop(page)
+
+    def page_forget(self, page: Page, mid: int) -> bool:
+        return self.disk is not None and self.disk.page_forget(page, mid)
 
     def end_group(self) -> None:
         """Emit the group's records, each but the last marked MORE."""

@@ -108,6 +108,9 @@ def insert_by_mid(messages: collections.deque[Message], msg: Message) -> None:
 OWNED_ELSEWHERE: Final = object()
 
 PAGE_BYTES: Final = 256 * 1024  # body bytes of one page (a quarter of the budget, if less)
+# A record that removes or marks a paged message looks for its page among this many of the
+# tail's first items (`Queue._paged`); past them, the pages before it are read back.
+PAGES_LOOKED_AT: Final = 4
 # What a message in memory costs beyond its body (its objects, properties and indexes): a
 # queue's head is budgeted in body bytes plus this for each message.
 OVERHEAD: Final = 256
@@ -690,6 +693,8 @@ class Queue:
     def remove(self, mid: int) -> None:
         """A message the log says left this queue."""
         if self.tail_count:
+            if self._forget_paged(mid):
+                return
             self._promote_through(mid)
         msg = self._index().pop(mid, None)
         if msg is None:
@@ -710,7 +715,9 @@ class Queue:
         primary, which names what its consumers took from the head of a deep queue."""
         mids = list(mids)
         if self.tail_count and mids:
-            self._promote_through(max(mids))
+            mids = [mid for mid in mids if not self._forget_paged(mid)]
+            if mids:
+                self._promote_through(max(mids))
         index = self._index()
         gone = {id(m): m for m in (index.pop(mid, None) for mid in mids) if m is not None}
         if not gone:
@@ -732,10 +739,47 @@ class Queue:
     def mark(self, mid: int) -> None:
         """A message the log says was delivered: after failover it goes out redelivered."""
         if self.tail_count:
+            at = self._paged(mid)
+            if at is not None and at[1].mark(mid):
+                return
             self._promote_through(mid)
         msg = self._index().get(mid)
         if msg is not None:
             msg.redelivered = True
+
+    def _paged(self, mid: int) -> tuple[int, Page] | None:
+        """The place in the tail of the page that holds message `mid` by the ids it knows,
+        among the tail's first PAGES_LOOKED_AT items (a record names a message at or near
+        the queue's head); None when none of them does."""
+        tail = self.tail
+        for i in range(min(len(tail), PAGES_LOOKED_AT)):
+            item = tail[i]
+            if isinstance(item, Page):
+                if item.first_mid > mid:
+                    return None
+                if item.holds(mid):
+                    return i, item
+            elif item.mid >= mid:
+                return None
+        return None
+
+    def _forget_paged(self, mid: int) -> bool:
+        """A message the log says left this queue, in a page that knows it holds it: the
+        page forgets it unread, and goes once it holds nothing. False when the message is
+        not in such a page (it is in memory, or its page must be read back)."""
+        at = self._paged(mid)
+        if at is None:
+            return False
+        i, page = at
+        if not self.vhost.journal.page_forget(page, mid):
+            return False
+        self.tail_count -= 1
+        if not page.count:  # every message of it forgotten: its bytes go with it
+            del self.tail[i]
+            self.tail_bytes -= page.body_bytes
+            self.bytes -= page.body_bytes
+            self.vhost.journal.page_drop(page)
+        return True
 
     def end_apply(self) -> None:
         self.index = None

@@ -192,7 +192,7 @@ class BrokerLog:
     def _page_packed(self, page: Page, q: Queue) -> list[list[Any]]:
         """A page's ids as the digest says them (`_packed`); the digest is read as a set, so
         pages follow the queue's messages in memory in any order."""
-        if page.ids is not None:
+        if page.ids is not None and not page.gone:
             return [_pair(epoch, array.array("Q", offsets)) for epoch, offsets in page.ids]
         mids = page.mids()
         if mids is None:  # a page that does not know its ids (not made by a member): read
@@ -664,7 +664,7 @@ class Copy:
             for page, kept in pages:
                 _look(page.count)
                 mids = page.mids()
-                if kept is None and mids is not None and _holds(theirs_q, mids):
+                if kept is None and mids is not None and not page.marked and _holds(theirs_q, mids):
                     paged.append(mids)  # the follower holds all of it: not read
                     continue
                 give_way(page.count)
@@ -757,6 +757,7 @@ class Copy:
                     kept is None
                     and mids is not None
                     and kept_q
+                    and not page.marked  # its marks are sent (read below)
                     and _before(mids, upto)
                     and lacking.isdisjoint(mids)
                 ):

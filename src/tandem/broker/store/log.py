@@ -286,10 +286,11 @@ class Store:
             self.enqueued[self.active] += 1
             self._change(key)
         elif rtype == records.DEQUEUE and key is not None:
+            # Not in the index: a paged message its page forgot unread (`page_forget`), which
+            # its page's records count until the page goes.
             at = self.where.pop(key)
-            if at is None:
-                return  # its enqueue is gone from the log: nothing to cancel
-            self.segments[at >> AT_BITS] -= 1
+            if at is not None:
+                self.segments[at >> AT_BITS] -= 1
             self._change(key)
             if self.marked:
                 self.marked.discard(key)
@@ -402,7 +403,25 @@ class Store:
             where = self.where.of(*page.key)
             for m, at in found:
                 where[m.mid] = at
+            if len(found) < sum(page.segs.values()) and not self.recovering:
+                # Its records of messages forgotten (or read back short) are no longer live.
+                back = collections.Counter(at >> AT_BITS for _m, at in found)
+                for seg, n in page.segs.items():
+                    if n > back[seg]:
+                        self.segments[seg] -= n - back[seg]
         return [m for m, _at in found]
+
+    def _paged(self, key: Key) -> bool:
+        """True when a page of its queue holds message `key` by the ids it knows."""
+        return any(page.holds(key[2]) for page in self.pages.get((key[0], key[1]), ()))
+
+    def page_forget(self, page: Page, mid: int) -> bool:
+        """See Journal.page_forget. The message's record stays live in the log, counted by
+        its page's records, until the page is read back or gone."""
+        if not page.forget(mid):
+            return False
+        self._change((page.key[0], page.key[1], mid))
+        return True
 
     def pin(self, pages: list[Page]) -> None:
         """Keep these pages' segments where they are while a copy reads them on another
@@ -459,6 +478,7 @@ class Store:
         # records of messages consumed out of order, whose ids are within its range.
         mids = page.mids() if page.only is None else None
         exact = None if mids is None else set(mids)
+        gone, marked = page.gone, page.marked
         for seg, start, end in page.extents:
             path = self._path(seg)
             try:
@@ -482,13 +502,16 @@ class Store:
                 _v, _q, mid, route, props, body = records.read_enqueue(payload)
                 at = (seg << AT_BITS) | (start + pos)
                 if page.only is not None:
-                    member = page.only.get(mid) == at
+                    member = page.only.get(mid) == at and not (gone and mid in gone)
                 elif exact is not None:
                     member = mid in exact
                 else:
                     member = page.first_mid <= mid <= page.last_mid
                 if member and mid not in out:
-                    out[mid] = (apply.message(queue, mid, route, props, body), at)
+                    msg = apply.message(queue, mid, route, props, body)
+                    if marked and mid in marked:
+                        msg.redelivered = True  # delivered while paged (`Page.mark`)
+                    out[mid] = (msg, at)
         if whole and len(out) != page.count:
             what = (
                 f"a page of queue '{page.key[1]}' in vhost '{page.key[0]}' read back "
@@ -1117,12 +1140,14 @@ class Store:
                         p.last_mid,
                         [*p.extents],
                         dict(p.segs),
-                        p.ids,  # never changed once made: encoded on the writer's thread
+                        # Never changed once made, but for what it forgot: encoded on the
+                        # writer's thread.
+                        pack_ids(p.mids() or []) if p.gone and p.ids is not None else p.ids,
                     )
                     for p in key_pages
                     if p.only is None
                 ],
-                [dict(p.only) for p in key_pages if p.only is not None],
+                [_only(p) for p in key_pages if p.only is not None],
             )
             for key, key_pages in self.pages.items()
             if key not in reused
@@ -1575,7 +1600,7 @@ class Store:
                 for page in pages:
                     for seg, n in page.segs.items():
                         self.segments[seg] += n
-            self.marked = {key for key in self.marked if key in self.where}
+            self.marked = {key for key in self.marked if key in self.where or self._paged(key)}
             apply.done(broker)
             self._reuse_loaded_parts()
         finally:
@@ -2048,6 +2073,15 @@ def _page_entry(run: Columns, start: int, end: int) -> tuple[Any, ...]:
     extents, segs = _spans(list(ats[start:end]), list(lengths[start:end]))
     ids = sorted(mids[start:end])
     return (end - start, sum(bodies[start:end]), ids[0], ids[-1], extents, segs, pack_ids(ids))
+
+
+def _only(page: Page) -> dict[int, int]:
+    """The messages of a page of a checkpoint's messages that it still holds, by place."""
+    assert page.only is not None
+    gone = page.gone
+    if not gone:
+        return dict(page.only)
+    return {mid: at for mid, at in page.only.items() if mid not in gone}
 
 
 def _extents(run: Run) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
