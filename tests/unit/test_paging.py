@@ -1129,3 +1129,38 @@ def test_what_a_page_forgot_stays_gone_after_a_restart(tmp_path: Path, checkpoin
     q.dispatch()
     assert taker.got == [4, 5, 6, 7, 8, 9]
     assert taker.flags == [False, False, True, False, False, False]
+
+
+def test_requeued_marks_on_the_pages_of_a_queue_survive_two_starts(tmp_path: Path) -> None:
+    """Messages 3 and 6, requeued (a durable mark) in two pages of their queue, stay in the
+    log; a start keeps their marks (`_live_marks`), so the checkpoint it takes names them
+    again, and after a second start both still go out redelivered."""
+
+    def large(mid: int) -> bytes:
+        body = str(mid).encode().rjust(100_000)  # three make a page (PAGE_BYTES)
+        m = Message("", "q", b"\x00\x01q", PERSISTENT, body, len(body))
+        m.mid = records.mid(1, mid)
+        return records.frame(records.ENQUEUE, 1, mid, records.enqueue("/", "q", m))
+
+    write_log(tmp_path, declare(), *(large(i) for i in range(2, 9)))
+    store, _broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    checkpointed(store)
+    store.close()
+    store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    assert len(broker.vhost("/").queues["q"].pages()) >= 2
+    for offset, mid in ((10, 3), (11, 6)):
+        store.write(records.MARK, offset, keyed(records.MARK, mid, offset=offset), None)
+        store.marked.add(("/", "q", records.mid(1, mid)))
+        apply.mark(broker, "/", "q", records.mid(1, mid))
+    for _start in range(2):
+        checkpointed(store)
+        store.close()
+        store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    q = broker.vhost("/").queues["q"]
+    assert not store.where  # nothing read back to take the marks
+    apply.done(broker)
+    taker = Redelivered()
+    q.add_consumer(taker)
+    q.dispatch()
+    assert taker.got == list(range(2, 9))
+    assert [m for m, flag in zip(taker.got, taker.flags, strict=True) if flag] == [3, 6]

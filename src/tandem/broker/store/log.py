@@ -54,6 +54,7 @@ import array
 import asyncio
 import base64
 import binascii
+import bisect
 import collections
 import contextlib
 import gc
@@ -411,9 +412,22 @@ class Store:
                         self.segments[seg] -= n - back[seg]
         return [m for m, _at in found]
 
-    def _paged(self, key: Key) -> bool:
-        """True when a page of its queue holds message `key` by the ids it knows."""
-        return any(page.holds(key[2]) for page in self.pages.get((key[0], key[1]), ()))
+    def _live_marks(self) -> set[Key]:
+        """The requeued marks of messages that are live: in the index, or in a page that
+        knows it holds them (a mark on a paged message does not read it back). A queue's
+        pages hold runs of ids that do not overlap: each mark looks at one page."""
+        live = {key for key in self.marked if key in self.where}
+        by_queue: dict[tuple[str, str], list[int]] = {}
+        for vhost, queue, mid in self.marked - live:
+            by_queue.setdefault((vhost, queue), []).append(mid)
+        for name, mids in by_queue.items():
+            pages = sorted(self.pages.get(name, ()), key=lambda page: page.first_mid)
+            firsts = [page.first_mid for page in pages]
+            for mid in mids:
+                i = bisect.bisect_right(firsts, mid) - 1
+                if i >= 0 and pages[i].holds(mid):
+                    live.add((name[0], name[1], mid))
+        return live
 
     def page_forget(self, page: Page, mid: int) -> bool:
         """See Journal.page_forget. The message's record stays live in the log, counted by
@@ -1601,7 +1615,7 @@ class Store:
                 for page in pages:
                     for seg, n in page.segs.items():
                         self.segments[seg] += n
-            self.marked = {key for key in self.marked if key in self.where or self._paged(key)}
+            self.marked = self._live_marks()
             apply.done(broker)
             self._reuse_loaded_parts()
         finally:
