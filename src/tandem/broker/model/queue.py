@@ -108,9 +108,6 @@ def insert_by_mid(messages: collections.deque[Message], msg: Message) -> None:
 OWNED_ELSEWHERE: Final = object()
 
 PAGE_BYTES: Final = 256 * 1024  # body bytes of one page (a quarter of the budget, if less)
-# A record that removes or marks a paged message looks for its page among this many of the
-# tail's first items (`Queue._paged`); past them, the pages before it are read back.
-PAGES_LOOKED_AT: Final = 4
 # What a message in memory costs beyond its body (its objects, properties and indexes): a
 # queue's head is budgeted in body bytes plus this for each message.
 OVERHEAD: Final = 256
@@ -281,7 +278,9 @@ class Queue:
         out = list(self.messages)
         for item in self.tail:
             if isinstance(item, Page):
+                count = item.count
                 out += self.vhost.journal.page_in(item, self, keep=True)
+                self.tail_count -= count - item.count  # read back short: lost here
             else:
                 out.append(item)
         return out + self.filling
@@ -422,8 +421,8 @@ class Queue:
             item = tail[0]
             if isinstance(item, Page):
                 # Taken off the tail once read: a read that raises leaves it in its place.
-                msgs = self.vhost.journal.page_in(item, self)
                 count, size = item.count, item.body_bytes
+                msgs = self.vhost.journal.page_in(item, self)
                 # A page read back short (a record corrupt on disk) counts what came back.
                 self.bytes += sum(m.body_size for m in msgs) - size
                 for m in msgs:
@@ -748,12 +747,11 @@ class Queue:
             msg.redelivered = True
 
     def _paged(self, mid: int) -> tuple[int, Page] | None:
-        """The place in the tail of the page that holds message `mid` by the ids it knows,
-        among the tail's first PAGES_LOOKED_AT items (a record names a message at or near
-        the queue's head); None when none of them does."""
-        tail = self.tail
-        for i in range(min(len(tail), PAGES_LOOKED_AT)):
-            item = tail[i]
+        """The place in the tail of the page that holds message `mid` by the ids it knows;
+        None when none does. It looks only at the items up to it (a record names a message
+        at or near the queue's head: a delivery a consumer's prefetch ahead), which a read
+        back through it would read."""
+        for i, item in enumerate(self.tail):
             if isinstance(item, Page):
                 if item.first_mid > mid:
                     return None

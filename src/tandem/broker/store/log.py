@@ -532,6 +532,11 @@ class Store:
                 f"{len(out)} of its {page.count} messages"
             )
             log.error("%s", what)
+            # What it knows it held and could not read is lost here: forgotten, it is not in
+            # the digest of the copy this member asks for, which brings it back.
+            for mid in page.mids() or ():
+                if mid not in out:
+                    page.forget(mid)
             self.on_short_page(what)
         return [out[mid] for mid in sorted(out)]
 
