@@ -751,3 +751,24 @@ def test_the_bytes_held_after_an_offset_are_those_of_the_frames_after_it() -> No
         log.keep(offset, bytes(100))
     seq.offset = 5
     assert [log.bytes_after(o) for o in (5, 4, 3, 2, 0)] == [0, 100, 200, 200, 200]
+
+
+def test_a_member_whose_page_read_back_short_makes_its_digest_again() -> None:
+    """A backup repeats the digest it made for a Hello while its log's end stays put (an idle
+    cluster). A page read back short (a corrupt record) loses a message without moving that
+    end: the digest of the copy the member then asks for must not name it, or the primary
+    leaves it out of the copy."""
+    from tandem.broker.replication.log import BrokerLog
+
+    b, _seq, _disk, wire, _now = primary()
+    q, _ = b.vhost("/").declare_queue("q", durable=True)
+    for n in range(3):
+        q.enqueue(msg(True, n))
+    backup, backup_seq = replay(wire.frames)
+    member_log = BrokerLog(backup, backup_seq, None)
+    before = member_log.digest()
+    lost = backup.vhost("/").queues["q"].in_memory()[1]
+    backup.vhost("/").queues["q"].remove(lost.mid)  # as a read back short leaves it
+    assert member_log.digest() == before  # the end did not move: made once
+    member_log.page_short("a page read back 2 of its 3 messages")
+    assert member_log.lost and member_log.digest() != before

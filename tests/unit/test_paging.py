@@ -1164,3 +1164,48 @@ def test_requeued_marks_on_the_pages_of_a_queue_survive_two_starts(tmp_path: Pat
     q.dispatch()
     assert taker.got == list(range(2, 9))
     assert [m for m, flag in zip(taker.got, taker.flags, strict=True) if flag] == [3, 6]
+
+
+def test_pages_of_named_messages_forget_too_and_a_copys_dequeues_in_one_pass(
+    tmp_path: Path,
+) -> None:
+    """Messages 10-13 were in memory at the end of the tail when the checkpoint was taken,
+    so it names them one by one and a start leaves them as a page of exactly those
+    (`Page.only`). A copy's dequeues (`remove_many`) forget messages of both kinds of page
+    unread; a checkpoint names what is left, and a start brings back only that."""
+    store, broker, q = started_as_a_page(tmp_path)
+    for mid in range(10, 14):
+        data = enqueue(mid)
+        store.write(records.ENQUEUE, mid, data, ("/", "q", records.mid(1, mid)))
+        apply.apply(broker, records.ENQUEUE, records.payload(data))
+    checkpointed(store)
+    store.close()
+    store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    q = broker.vhost("/").queues["q"]
+    assert [p.only is not None for p in q.pages()] == [False, True]  # ids, then names
+    gone = [2, 3, 10, 11]
+    apply.dequeue_many(broker, {("/", "q"): [records.mid(1, mid) for mid in gone]})
+    for offset, mid in enumerate(gone, start=20):
+        store.write(records.DEQUEUE, offset, keyed(records.DEQUEUE, mid, offset=offset), None)
+    assert (q.paged, q.ready, store.where.queues) == (8, 8, {})  # nothing read back
+    checkpointed(store)
+    store.close()
+    store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    assert bodies(broker.vhost("/").queues["q"]) == [4, 5, 6, 7, 8, 9, 12, 13]
+
+
+def test_a_requeued_mark_of_a_paged_message_is_carried_forward(tmp_path: Path) -> None:
+    """Compaction writes again the durable marks of live messages: a requeued message that
+    is in a page (its mark taken without a read) is live, and its mark goes on with it."""
+    seg = write_log(tmp_path, declare(), enqueue(2), enqueue(3), keyed(records.MARK, 3, offset=4))
+    store, _broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    checkpointed(store)
+    store.close()
+    store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
+    assert broker.vhost("/").queues["q"].paged == 2 and not store.where
+    assert ("/", "q", records.mid(1, 3)) in store.marked
+    before = store.active_size
+    store._carry_forward(1, seg.read_bytes())
+    on_disk(store)
+    written = (tmp_path / "log" / f"{store.active:020d}.seg").read_bytes()[before:]
+    assert keyed(records.MARK, 3, offset=4) in written

@@ -428,6 +428,7 @@ class BrokerLog:
         log.error("%s; this member takes a copy from the primary", what)
         self.diverged = what
         self.lost = True
+        self.digested = None  # it no longer holds what a digest made before says
 
     def _set_aside(self, epoch: int, offset: int, exc: apply.NotApplied) -> None:
         """Report a record that could not be applied once with its position, keep it in

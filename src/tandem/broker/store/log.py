@@ -533,10 +533,11 @@ class Store:
             )
             log.error("%s", what)
             # What it knows it held and could not read is lost here: forgotten, it is not in
-            # the digest of the copy this member asks for, which brings it back.
+            # the digest of the copy this member asks for, which brings it back, nor in the
+            # next checkpoint.
             for mid in page.mids() or ():
-                if mid not in out:
-                    page.forget(mid)
+                if mid not in out and page.forget(mid):
+                    self._change((page.key[0], page.key[1], mid))
             self.on_short_page(what)
         return [out[mid] for mid in sorted(out)]
 
@@ -762,7 +763,7 @@ class Store:
         for rtype, epoch, offset, payload in found:
             kind = rtype & records.TYPE_MASK
             if kind == records.MARK:
-                if records.read_key(payload) in self.where:
+                if records.read_key(payload) in self.marked:  # in memory or in a page
                     self._append(records.frame(records.MARK, epoch, offset, payload))
                 continue
             if kind != records.ENQUEUE:
