@@ -1062,6 +1062,15 @@ class Redelivered(Taker):
         self.flags.append(msg.redelivered)
 
 
+def delivered(broker: Broker, q: Queue) -> list[tuple[int, bool]]:
+    """Applying is over and a consumer takes every message: each one's body and flag."""
+    apply.done(broker)
+    taker = Redelivered()
+    q.add_consumer(taker)
+    q.dispatch()
+    return list(zip(taker.got, taker.flags, strict=True))
+
+
 def test_a_page_forgets_a_message_that_leaves_it_without_being_read(tmp_path: Path) -> None:
     """A backup applies the dequeue of each message its primary delivered, and a restarted
     member those of the busy queue its start left as pages: each page was read back only to
@@ -1093,12 +1102,14 @@ def test_a_page_read_back_after_it_forgot_some_brings_back_the_rest_marked(
     taken(store, broker, records.DEQUEUE, 2, 10)
     taken(store, broker, records.DEQUEUE, 4, 11)
     taken(store, broker, records.MARK, 5, 12)
-    apply.done(broker)
-    taker = Redelivered()
-    q.add_consumer(taker)
-    q.dispatch()
-    assert taker.got == [3, 5, 6, 7, 8, 9]
-    assert taker.flags == [False, True, False, False, False, False]
+    assert delivered(broker, q) == [
+        (3, False),
+        (5, True),
+        (6, False),
+        (7, False),
+        (8, False),
+        (9, False),
+    ]
     assert store.segments[1] == 0  # delivered without acks, and 2 and 4 dequeued
 
 
@@ -1123,12 +1134,14 @@ def test_what_a_page_forgot_stays_gone_after_a_restart(tmp_path: Path, checkpoin
     q = broker.vhost("/").queues["q"]
     assert q.paged == 6 and not store.where  # the dequeues replayed read nothing back
     assert key in store.marked  # a later checkpoint names the mark still
-    apply.done(broker)
-    taker = Redelivered()
-    q.add_consumer(taker)
-    q.dispatch()
-    assert taker.got == [4, 5, 6, 7, 8, 9]
-    assert taker.flags == [False, False, True, False, False, False]
+    assert delivered(broker, q) == [
+        (4, False),
+        (5, False),
+        (6, True),
+        (7, False),
+        (8, False),
+        (9, False),
+    ]
 
 
 def test_requeued_marks_on_the_pages_of_a_queue_survive_two_starts(tmp_path: Path) -> None:
@@ -1158,12 +1171,7 @@ def test_requeued_marks_on_the_pages_of_a_queue_survive_two_starts(tmp_path: Pat
         store, broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1000)
     q = broker.vhost("/").queues["q"]
     assert not store.where  # nothing read back to take the marks
-    apply.done(broker)
-    taker = Redelivered()
-    q.add_consumer(taker)
-    q.dispatch()
-    assert taker.got == list(range(2, 9))
-    assert [m for m, flag in zip(taker.got, taker.flags, strict=True) if flag] == [3, 6]
+    assert delivered(broker, q) == [(mid, mid in (3, 6)) for mid in range(2, 9)]
 
 
 def test_pages_of_named_messages_forget_too_and_a_copys_dequeues_in_one_pass(
