@@ -725,6 +725,41 @@ def test_a_backup_that_reads_a_corrupt_record_of_a_page_takes_it_from_the_primar
     assert got == list(range(250, 303)), repr(got)
 
 
+def test_a_backup_whose_pages_took_acks_and_marks_unread_serves_the_rest_after_failover(
+    cluster: Cluster,
+) -> None:
+    """Every message after a queue's first stays in the log on both members (a budget of one
+    byte: a page each, knowing its id). The primary's consumer acks 100 messages and holds 50
+    more unacked: the backup forgets the first unread and notes the marks of the others.
+    After failover it serves exactly the 200 left, in order, the 50 redelivered."""
+    a = cluster.add("a", isr_min=1, **PAGED)
+    b = cluster.add("b", isr_min=1, **PAGED)
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    cluster.ha("a", "record", {"record": cluster.record("a", 1, ["a", "b"])})
+    publish(a, "q", 300)
+    assert take_then_ack(a, "q", 100) == list(range(100))
+    conn = pika.BlockingConnection(pika.URLParameters(a.url()))
+    ch = conn.channel()
+    held = [int(ch.basic_get("q")[2]) for _ in range(50)]  # not acked
+    assert held == list(range(100, 150))
+    publish(a, "q", 1, start=300)  # confirmed: b holds every record up to it, marks too
+    # None read back: the marked 50 are still paged (read back to mark them, 151 were left).
+    assert b.queue("q")["depth"] == 201 and b.queue("q")["paged"] >= 195, b.queue("q")
+    a.kill()
+    cluster.ha("b", "fence", {"epoch": 2})
+    cluster.promote("b", 2, ["b"])
+    conn = pika.BlockingConnection(pika.URLParameters(b.url()))
+    ch = conn.channel()
+    seen = []
+    for _ in range(201):
+        method, _props, body = ch.basic_get("q", auto_ack=True)
+        seen.append((int(body), method.redelivered))
+    assert ch.basic_get("q")[0] is None
+    conn.close()
+    assert seen == [(n, 100 <= n < 150) for n in range(100, 301)]
+
+
 def test_publishers_are_not_read_while_the_isr_is_far_behind(cluster: Cluster) -> None:
     """Flow control (issue 16): a publisher that does not wait for confirms ran 100,000
     records ahead of the backups, and the controller dropped them from the ISR. With a
