@@ -748,15 +748,16 @@ class Queue:
             msg.redelivered = True
 
     def _paged(self, mid: int) -> tuple[int, Page] | None:
-        """The place in the tail of the page that holds message `mid` by the ids it knows;
-        None when none does. It looks only at the items up to it (a record names a message
-        at or near the queue's head: a delivery a consumer's prefetch ahead), which a read
-        back through it would read."""
+        """The place in the tail of the page whose run of ids (they do not overlap) takes in
+        message `mid`; None when none does. Whether the page knows it holds it is the page's
+        to say (`Page.forget`, `Page.mark`). It looks only at the items up to it (a record
+        names a message at or near the queue's head: a delivery a consumer's prefetch
+        ahead), which a read back through it would read."""
         for i, item in enumerate(self.tail):
             if isinstance(item, Page):
                 if item.first_mid > mid:
                     return None
-                if item.holds(mid):
+                if mid <= item.last_mid:
                     return i, item
             elif item.mid >= mid:
                 return None
@@ -773,12 +774,16 @@ class Queue:
         if not self.vhost.journal.page_forget(page, mid):
             return False
         self.tail_count -= 1
-        if not page.count:  # every message of it forgotten: its bytes go with it
+        if not page.count:
             del self.tail[i]
-            self.tail_bytes -= page.body_bytes
-            self.bytes -= page.body_bytes
-            self.vhost.journal.page_drop(page)
+            self._forgotten(page)
         return True
+
+    def _forgotten(self, page: Page) -> None:
+        """Every message of a page taken off the tail was forgotten: its bytes go with it."""
+        self.tail_bytes -= page.body_bytes
+        self.bytes -= page.body_bytes
+        self.vhost.journal.page_drop(page)
 
     def _forget_many(self, mids: list[int]) -> list[int]:
         """`_forget_paged` for each of `mids`, in one pass over the tail (a copy's dequeues
@@ -802,9 +807,7 @@ class Queue:
             kept = [item for item in self.tail if not isinstance(item, Page) or item.count]
             for page in pages:
                 if not page.count:
-                    self.tail_bytes -= page.body_bytes
-                    self.bytes -= page.body_bytes
-                    journal.page_drop(page)
+                    self._forgotten(page)
             self.tail.clear()
             self.tail.extend(kept)
         return left

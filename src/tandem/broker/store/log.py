@@ -536,8 +536,8 @@ class Store:
             # the digest of the copy this member asks for, which brings it back, nor in the
             # next checkpoint.
             for mid in page.mids() or ():
-                if mid not in out and page.forget(mid):
-                    self._change((page.key[0], page.key[1], mid))
+                if mid not in out:
+                    self.page_forget(page, mid)
             self.on_short_page(what)
         return [out[mid] for mid in sorted(out)]
 
