@@ -46,6 +46,23 @@ def test_an_enqueue_payload_is_the_same_joined_at_once_or_from_its_parts(
     assert records.read_enqueue(joined) == ("/", "q", msg.mid, msg.route, msg.props, whole)
 
 
+def test_a_large_body_is_framed_around_its_own_buffer_not_copied_into_the_frame() -> None:
+    """frame_parts lays out the bytes frame does, the body left as the object it came as
+    (the store writes the parts with one writev) and the small fields joined around it."""
+    body = bytes(range(256)) * 256  # 64 KiB
+    msg = Message("ex", "rk", message.encode_route("ex", "rk"), b"\x10\x00\x02", body, len(body))
+    msg.mid = records.mid(3, 77)
+    payload = records.enqueue_parts(records.place("/", "q"), msg)
+    parts = records.frame_parts(records.ENQUEUE, 3, 77, payload, True, True)
+    assert b"".join(parts) == records.frame(records.ENQUEUE, 3, 77, payload, True, True)
+    assert len(parts) == 3 and parts[1] is body
+    assert records.continues(parts[0])
+    found, end, corrupt, torn = records.scan(b"".join(parts))
+    assert [(t & records.TYPE_MASK, e, o) for t, e, o, _ in found] == [(records.ENQUEUE, 3, 77)]
+    assert records.read_enqueue(found[0][3])[5] == body
+    assert (end, corrupt, torn) == (len(b"".join(parts)), [], False)
+
+
 @given(
     vhost=st.text(max_size=20),
     queue=st.text(max_size=300),

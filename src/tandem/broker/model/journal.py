@@ -231,9 +231,11 @@ class Disk(Protocol):
     def synced(self) -> int:
         """Every durable record up to this offset is on disk."""
 
-    def write(self, rtype: int, offset: int, data: bytes, key: tuple[str, str, int] | None) -> None:
-        """Append a durable record's frame; `key` names the message of an enqueue, a dequeue
-        or a mark."""
+    def write(
+        self, rtype: int, offset: int, data: bytes | list[bytes], key: tuple[str, str, int] | None
+    ) -> None:
+        """Append a durable record's frame, whole or as parts (`records.frame_parts`); `key`
+        names the message of an enqueue, a dequeue or a mark."""
 
     def forget_queue(self, vhost: str, queue: str) -> None:
         """A durable queue was deleted: its messages are no longer live."""
@@ -376,7 +378,7 @@ class Sequencer:
         self._emit(
             records.ENQUEUE,
             offset,
-            # A large body is framed from its parts: one copy, not two.
+            # A large body is framed from its parts: written from its own buffer.
             records.enqueue_at(where, msg)
             if msg.body_size < records.BIG
             else records.enqueue_parts(where, msg),
@@ -466,13 +468,19 @@ class Sequencer:
         if self.group is not None:
             self.group.append((rtype, offset, payload, durable, replicated, key))
             return
-        data = records.frame(rtype, self.epoch, offset, payload, durable, more)
+        data: bytes | list[bytes] = (
+            records.frame(rtype, self.epoch, offset, payload, durable, more)
+            if isinstance(payload, bytes)
+            else records.frame_parts(rtype, self.epoch, offset, payload, durable, more)
+        )
         if durable and self.disk is not None:
             self.disk.write(rtype, offset, data, key)
             self.last_durable = offset
         if self.shipper is not None:
             if not replicated:
                 data = records.frame(records.NOOP, self.epoch, offset, NOOP_PAYLOAD, False, more)
+            elif not isinstance(data, bytes):
+                data = b"".join(data)  # kept and sent as one record
             self.shipper.ship(data, offset)
             self.last_shipped = offset
 

@@ -116,15 +116,46 @@ def frame(
     flags = (DURABLE if durable else 0) | (MORE if more else 0)
     meta = _pack_meta(rtype | flags, epoch, offset)
     if isinstance(payload, list):
-        crc, size = checksum(meta), len(meta)
-        for part in payload:
-            crc, size = checksum(part, crc), size + len(part)
-        return b"".join((_pack_hdr(WRITTEN, size, crc), meta, *payload))
+        return b"".join((_parts_header(meta, payload), meta, *payload))
     if len(payload) < BIG:
         rest = meta + payload
         return _pack_hdr(WRITTEN, len(rest), checksum(rest)) + rest
     crc = checksum(payload, checksum(meta))  # over both, without joining them first
     return b"".join((_pack_hdr(WRITTEN, len(meta) + len(payload), crc), meta, payload))
+
+
+def frame_parts(
+    rtype: int,
+    epoch: int,
+    offset: int,
+    payload: list[bytes],
+    durable: bool = True,
+    more: bool = False,
+) -> list[bytes]:
+    """A record's frame from a payload's parts (`enqueue_parts`), as parts: each large one
+    (a body) as it is, the small ones around it joined with the header. The store writes
+    them with one writev, so that a large body is never copied into a frame."""
+    flags = (DURABLE if durable else 0) | (MORE if more else 0)
+    meta = _pack_meta(rtype | flags, epoch, offset)
+    out: list[bytes] = []
+    run = [_parts_header(meta, payload), meta]
+    for part in payload:
+        if len(part) < BIG:
+            run.append(part)
+        else:
+            out.append(b"".join(run))
+            out.append(part)
+            run = []
+    if run:
+        out.append(b"".join(run))
+    return out
+
+
+def _parts_header(meta: bytes, payload: list[bytes]) -> bytes:
+    crc, size = checksum(meta), len(meta)
+    for part in payload:
+        crc, size = checksum(part, crc), size + len(part)
+    return _pack_hdr(WRITTEN, size, crc)
 
 
 def head(data: bytes | memoryview) -> tuple[int, int, int, bool]:

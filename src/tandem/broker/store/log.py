@@ -140,7 +140,7 @@ class _Batch:
 
     def __init__(self, generation: int = 0) -> None:
         self.generation = generation  # the log it belongs to (a reset starts another)
-        self.chunks: list[tuple[int, bytes]] = []  # (segment, bytes)
+        self.chunks: list[tuple[int, bytes]] = []  # (segment, a frame or a part of one)
         self.size = 0  # bytes of the chunks appended (`_append`)
         self.callbacks: list[Callable[[], None]] = []
         self.deletes: list[int] = []
@@ -279,7 +279,7 @@ class Store:
             return self.handed  # as when_synced sees it: nothing handed waits for the disk
         return self._synced
 
-    def write(self, rtype: int, offset: int, data: bytes, key: Key | None) -> None:
+    def write(self, rtype: int, offset: int, data: bytes | list[bytes], key: Key | None) -> None:
         self.handed = max(self.handed, offset)
         if rtype == records.ENQUEUE and key is not None:
             self.where[key] = (self.active << AT_BITS) | self.active_size
@@ -606,13 +606,25 @@ class Store:
 
     # -- appending and the writer --
 
-    def _append(self, data: bytes) -> None:
-        self.pending.chunks.append((self.active, data))
-        self.pending.size += len(data)
+    def _append(self, data: bytes | list[bytes]) -> None:
+        """Append a record's frame, whole or as parts (a large body in its own buffer: the
+        writer writes them with one writev, `_write_all`)."""
+        chunks, active = self.pending.chunks, self.active
+        if isinstance(data, bytes):
+            chunks.append((active, data))
+            size = len(data)
+            first = data
+        else:
+            size = 0
+            for part in data:
+                chunks.append((active, part))
+                size += len(part)
+            first = data[0]
+        self.pending.size += size
         self.last_at = self.active_size
-        self.active_size += len(data)
+        self.active_size += size
         self._schedule()
-        if self.active_size >= self.segment_bytes and not records.continues(data):
+        if self.active_size >= self.segment_bytes and not records.continues(first):
             self._roll()  # never inside a group: a group stays in one segment
 
     def soon(self) -> None:
@@ -911,11 +923,11 @@ class Store:
             if not isinstance(exc, OSError):
                 log.error("unexpected error, please report it as a bug: store writer: %r", exc)
             log.error(
-                "cannot write the log in %s: %s; holding %d records and their confirms "
-                "until it can",
+                "cannot write the log in %s: %s; holding %d bytes of records and their "
+                "confirms until it can",
                 self.dir,
                 exc,
-                len(batch.chunks),
+                sum(len(data) for _, data in batch.chunks),
             )
             self.write_error = exc if isinstance(exc, OSError) else OSError(str(exc))
             self.on_write_error(self.write_error)
