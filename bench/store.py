@@ -4,7 +4,8 @@
 
 Writes RECORDS records of 150 bytes (a 100-byte message with its framing), committing and
 fsyncing every BATCH records as group commit does, then reads them all back, with:
-  - Tandem's log (tandem.broker.store.log records, os.write + os.fsync per batch);
+  - Tandem's log (its record frames, `tandem.broker.model.records`, os.write + os.fsync per
+    batch);
   - SQLite in WAL mode with synchronous=FULL (stdlib sqlite3), one transaction per batch;
   - SQLite with one transaction per record (what a store without group commit pays).
 Prints records/s for each and the ratio to Tandem's log.
@@ -19,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandem.broker.store import log
+from tandem.broker.model.records import ENQUEUE, frame, scan
 
 
 def tandem_log(path: Path, records: int, batch: int) -> tuple[float, float]:
@@ -28,7 +29,7 @@ def tandem_log(path: Path, records: int, batch: int) -> tuple[float, float]:
     start = time.perf_counter()
     pending: list[bytes] = []
     for i in range(records):
-        pending.append(log.encode_record(log.ENQUEUE, 1, i + 1, payload))
+        pending.append(frame(ENQUEUE, 1, i + 1, payload))
         if len(pending) == batch or i == records - 1:
             os.write(fd, b"".join(pending))
             os.fsync(fd)
@@ -36,7 +37,7 @@ def tandem_log(path: Path, records: int, batch: int) -> tuple[float, float]:
     write = time.perf_counter() - start
     os.close(fd)
     start = time.perf_counter()
-    got, _end, _corrupt, _torn = log.scan_segment(path, last=True)
+    got, _end, _corrupt, _torn = scan(path.read_bytes())
     read = time.perf_counter() - start
     assert len(got) == records
     return records / write, records / read
