@@ -9,6 +9,8 @@
 - `source_env(tree)`: the environment that runs Tandem from another source tree (a git
   worktree of an older commit, say), to measure a change before and after in one run.
 - `build(env)`: whether Tandem runs compiled (mypyc) in that environment, for the report.
+- `in_turn(names, run)`: the order the brokers run in, run after run: two Tandem builds
+  swap places every other run.
 """
 
 from __future__ import annotations
@@ -77,6 +79,21 @@ def source_env(tree: str | None) -> dict[str, str] | None:
     if not (src / "tandem").is_dir():
         raise SystemExit(f"{tree} is not a Tandem source tree (no src/tandem)")
     return {**os.environ, "PYTHONPATH": str(src)}
+
+
+def in_turn(names: Iterable[str], run: int) -> list[str]:
+    """`names` (broker names, Tandem's builds named `tandem...`) in the order they run in
+    `run`: two Tandem builds swap places every other run, the others keep theirs. So each
+    build runs right after RabbitMQ, or right after the other build, as often as the other
+    does: a lone broker's run right after RabbitMQ's took up to half as much CPU again a
+    message as its next runs (docs/performance.md, 64 KiB, 2026-12-04), which with a fixed
+    order counted against the build that always came first."""
+    names = list(names)
+    tandems = [n for n in names if n.startswith("tandem")]
+    if run % 2:
+        tandems.reverse()
+    swapped = iter(tandems)
+    return [next(swapped) if n.startswith("tandem") else n for n in names]
 
 
 def build(env: dict[str, str] | None) -> str:

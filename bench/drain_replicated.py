@@ -86,9 +86,9 @@ def main() -> int:
     for name, env in builds.items():
         print(f"{name}: {alone.build(env)}")
     rates: dict[str, list[float]] = {name: [] for name in builds}
-    for _ in range(args.runs):
-        for name, env in builds.items():
-            rates[name].append(run(name, env, args))
+    for turn in range(args.runs):
+        for name in alone.in_turn(builds, turn):
+            rates[name].append(run(name, builds[name], args))
     print()
     for name, each in rates.items():
         print(f"{name:14} drain: median {statistics.median(each):,.0f} msg/s")

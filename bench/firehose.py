@@ -25,6 +25,8 @@ run prints the broker's CPU time per message, and how busy the client was: its J
 runs on one thread, and near 100% the client, not the broker, set the rate. `--against TREE`
 also runs Tandem from another source tree (`git worktree add /tmp/before <commit>`), as
 `tandem@before`, alternating with the others: a change measured before and after in one run.
+The two builds swap places every other run (`alone.in_turn`): the run right after
+RabbitMQ's costs more.
 """
 
 from __future__ import annotations
@@ -181,7 +183,8 @@ def main() -> int:
         tally = Tally()
         for mode, (kind, count, publishers, options) in modes.items():
             for run in range(-1, args.runs):  # run -1: the warm-up
-                for name, url in brokers.items():
+                for name in alone.in_turn(brokers, run):
+                    url = brokers[name]
                     idle = [] if name == "rabbitmq" else rabbit
                     with alone.paused(idle):
                         cpu = alone.cpu_seconds(pids[name])

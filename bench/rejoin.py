@@ -139,9 +139,9 @@ def main() -> int:
     for name, env in builds.items():
         print(f"{name}: {alone.build(env)}")
     results: dict[str, list[float]] = {name: [] for name in builds}
-    for _ in range(args.runs):
-        for name, env in builds.items():
-            results[name] += run(name, env, args.count, args.kills)
+    for turn in range(args.runs):
+        for name in alone.in_turn(builds, turn):
+            results[name] += run(name, builds[name], args.count, args.kills)
     print()
     for name, times in results.items():
         each = ", ".join(f"{t:.2f}" for t in times)

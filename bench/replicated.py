@@ -69,7 +69,8 @@ def main() -> int:
             count = args.count if window not in ("1",) else args.count // 10  # one at a time
             options = () if window == "none" else (f"window={window}",)
             for run in range(-1, args.runs):  # run -1: the warm-up
-                for name, url in urls.items():
+                for name in alone.in_turn(urls, run):
+                    url = urls[name]
                     with alone.paused([] if name == "rabbitmq" else rabbit.pids):
                         cpu = alone.cpu_seconds(pids[name])
                         r = node("firehose.js", url, "quorum", str(count), publishers, *options)
