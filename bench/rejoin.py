@@ -6,9 +6,10 @@ Per run, a fresh 3-member Tandem cluster (`tandem cluster up`): one durable queu
 with COUNT persistent 100-byte messages (`bench/deep.js`), then a publisher that does not
 wait for confirms and a consumer on another queue (`bench/firehose.js ... quorum`), then
 KILLS times: kill -9 of a backup in the ISR, and `/cluster` polled every 50 ms until the
-member is back in the ISR (the cluster restarts it after 0.1 s). Prints each kill, whether
-the primary changed meanwhile, and the median; `--against TREE` alternates runs with a
-cluster from another source tree, as in replicated.py. Issue 16 asks for 2 s.
+member is back in the ISR (the cluster restarts a killed member once its controller has
+looked, within 0.1 s). Prints each kill, whether the primary changed meanwhile, and the
+median; `--against TREE` alternates runs with a cluster from another source tree, as in
+replicated.py. Issue 16 asks for 2 s.
 
 Throughout, the primary's `/status` (what the controller polls) is asked every 0.1 s, and
 the slowest answer during the fill and during the kills is printed: an answer later than

@@ -83,3 +83,93 @@ def test_the_next_spare_waits_for_a_settled_cluster_only_so_long(
 ) -> None:
     monkeypatch.setattr(members, "SPARE_MOST_DELAY", 0)
     assert spare_made(monkeypatch, settled_from=None) == [1]
+
+
+class Exits:
+    """A member's process (asyncio.subprocess.Process's stand-in) that exits with `code`."""
+
+    def __init__(self, code: int) -> None:
+        self.returncode = code
+
+    async def wait(self) -> int:
+        return self.returncode
+
+
+@pytest.mark.parametrize(("code", "waited"), [(KILLED, "looked"), (1, "slept")])
+def test_a_killed_member_comes_back_once_the_controller_has_seen_it_gone(
+    monkeypatch: pytest.MonkeyPatch, code: int, waited: str
+) -> None:
+    """Restarted before the controller's next look, a killed primary answered there as a
+    backup, and the failover took a turn longer: 0.25 s without confirms a kill, not 0.12.
+    A member that failed on its own waits its whole delay."""
+    seen: list[tuple[str, float]] = []
+
+    async def looked(most: float) -> None:
+        seen.append(("looked", most))
+
+    async def slept(seconds: float) -> None:
+        seen.append(("slept", seconds))
+
+    async def main() -> None:
+        supervisor = Supervisor({}, Path("key"), {}, lambda p: None, looked=looked)
+
+        async def start(proc: members.Proc) -> None:
+            seen.append(("started", 0.0))
+            supervisor.stopping = True
+
+        monkeypatch.setattr(supervisor, "start", start)
+        proc = members.Proc("tandem-1", Path("d"), process=Exits(code))  # type: ignore[arg-type]
+        await supervisor.keep(proc)
+
+    monkeypatch.setattr(members.asyncio, "sleep", slept)
+    asyncio.run(main())
+    assert seen == [(waited, RESTART_DELAY), ("started", 0.0)]
+
+
+def test_looked_returns_after_a_turn_that_began_after_it() -> None:
+    """WakeableClock.looked: a loop asleep when asked wakes, takes its turn and sleeps again;
+    a loop in a turn when asked may have looked before, so the turn after counts."""
+    from tandem.broker.ha_http import WakeableClock
+
+    async def main() -> list[str]:
+        clock = WakeableClock()
+        said: list[str] = []
+        turn = asyncio.Event()
+
+        async def loop() -> None:  # the HA loop: a turn, then a sleep, until told to stop
+            for n in range(3):
+                await turn.wait()
+                turn.clear()
+                said.append(f"turn {n}")
+                await clock.sleep(30)
+
+        async def asker(name: str) -> None:
+            await clock.looked(30)
+            said.append(name)
+
+        running = asyncio.create_task(loop())
+        mid_turn = asyncio.create_task(asker("asked mid-turn"))
+        await asyncio.sleep(0)  # it waits for a turn begun after it: the one after next
+        turn.set()
+        for _ in range(3):
+            await asyncio.sleep(0)  # turn 0 ends: the loop sleeps
+        asleep = asyncio.create_task(asker("asked asleep"))
+        await asyncio.sleep(0)
+        clock.wake.set()  # a member exited: the loop's sleep ends
+        turn.set()
+        await asyncio.wait_for(asyncio.gather(mid_turn, asleep), 5)
+        running.cancel()
+        return said
+
+    assert asyncio.run(main()) == ["turn 0", "turn 1", "asked mid-turn", "asked asleep"]
+
+
+def test_looked_waits_no_longer_than_it_is_told() -> None:
+    from tandem.broker.ha_http import WakeableClock
+
+    async def main() -> float:
+        start = asyncio.get_running_loop().time()
+        await WakeableClock().looked(0.05)  # no loop runs: nothing looks
+        return asyncio.get_running_loop().time() - start
+
+    assert 0.05 <= asyncio.run(main()) < 5

@@ -239,15 +239,40 @@ class HttpActuator:
 
 
 class WakeableClock:
-    """Implements ha.ports.Clock; a member's exit cuts the loop's sleep short."""
+    """Implements ha.ports.Clock; a member's exit cuts the loop's sleep short, and `looked`
+    tells when the loop has looked at the cluster since."""
 
     def __init__(self) -> None:
         self.wake = asyncio.Event()
+        self.sleeping = False
+        # (sleeps still to begin, the future told then): those waiting in `looked`.
+        self.waiting: list[tuple[int, asyncio.Future[None]]] = []
 
     def monotonic(self) -> float:
         return time.monotonic()
 
     async def sleep(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), seconds)
+        # The loop sleeps after its turns: each waiter counts down to its own.
+        waiting, self.waiting = self.waiting, []
+        for left, told in waiting:
+            if left > 1:
+                self.waiting.append((left - 1, told))
+            elif not told.done():
+                told.set_result(None)
+        self.sleeping = True
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), seconds)
+        finally:
+            self.sleeping = False
         self.wake.clear()
+
+    async def looked(self, most: float) -> None:
+        """Return once the loop has taken a turn that began after now and slept after it (it
+        has acted on what it saw: a primary's exit failed over), or after `most` seconds. A
+        loop asleep now begins that turn when woken; one in a turn now finishes that one
+        first, which may have looked before."""
+        told: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.append((1 if self.sleeping else 2, told))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(told, most)

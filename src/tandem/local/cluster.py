@@ -154,7 +154,12 @@ class LocalCluster:
                     "AMQPS clients (the front port)", "--tls-port", self.front.tls_port, exc
                 ) from None
         supervisor = Supervisor(
-            self.procs, key_file, self.base_config, self._exited, settled=self._settled
+            self.procs,
+            key_file,
+            self.base_config,
+            self._exited,
+            settled=self._settled,
+            looked=self.clock.looked,
         )
         async with aiohttp.ClientSession() as session:
             self.session = session
