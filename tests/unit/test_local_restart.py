@@ -101,7 +101,8 @@ def test_a_killed_member_comes_back_once_the_controller_has_seen_it_gone(
 ) -> None:
     """Restarted before the controller's next look, a killed primary answered there as a
     backup, and the failover took a turn longer: 0.25 s without confirms a kill, not 0.12.
-    A member that failed on its own waits its whole delay."""
+    A member that failed on its own waits its whole delay. Either, once started, wakes the
+    controller (`on_back`) to be told whom to follow at once, not at its next poll."""
     seen: list[tuple[str, float]] = []
 
     async def looked(most: float) -> None:
@@ -111,7 +112,14 @@ def test_a_killed_member_comes_back_once_the_controller_has_seen_it_gone(
         seen.append(("slept", seconds))
 
     async def main() -> None:
-        supervisor = Supervisor({}, Path("key"), {}, lambda p: None, looked=looked)
+        supervisor = Supervisor(
+            {},
+            Path("key"),
+            {},
+            lambda p: None,
+            looked=looked,
+            on_back=lambda p: seen.append(("back", 0.0)),
+        )
 
         async def start(proc: members.Proc) -> None:
             seen.append(("started", 0.0))
@@ -123,7 +131,7 @@ def test_a_killed_member_comes_back_once_the_controller_has_seen_it_gone(
 
     monkeypatch.setattr(members.asyncio, "sleep", slept)
     asyncio.run(main())
-    assert seen == [(waited, RESTART_DELAY), ("started", 0.0)]
+    assert seen == [(waited, RESTART_DELAY), ("started", 0.0), ("back", 0.0)]
 
 
 def test_looked_returns_after_a_turn_that_began_after_it() -> None:

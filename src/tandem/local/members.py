@@ -111,6 +111,7 @@ class Supervisor:
         on_exit: Callable[[Proc], None],
         settled: Callable[[], bool] = lambda: True,
         looked: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        on_back: Callable[[Proc], None] = lambda proc: None,
     ) -> None:
         self.procs = procs
         self.key_file = key_file
@@ -120,6 +121,7 @@ class Supervisor:
         # Returns once the controller has looked at the cluster since, or after at most the
         # seconds given (WakeableClock.looked).
         self.looked = looked
+        self.on_back = on_back  # a member restarted: recovered, and listening
         self.stopping = False
         self.spare: asyncio.subprocess.Process | None = None
         self.making_spare: asyncio.Task[None] | None = None
@@ -243,9 +245,11 @@ class Supervisor:
                 return
             try:
                 await self.start(proc)
-                proc.restarts += 1
             except (RuntimeError, OSError) as exc:
                 log.error("cannot restart member %s: %s", proc.node, exc)
+                continue
+            proc.restarts += 1
+            self.on_back(proc)
 
     async def stop(self) -> None:
         self.stopping = True
