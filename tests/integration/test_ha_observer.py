@@ -19,6 +19,7 @@ from tandem.ha.model import ElectionRecord, Liveness, Role, Settings, View
 
 RECORD = ElectionRecord("a", 1, frozenset({"a", "b"}))
 SLOW = 0.6  # longer than a look waits (LOOK_SECONDS), shorter than the failover delay
+LATE = 0.1  # shorter than a look waits
 
 
 @dataclass
@@ -35,8 +36,8 @@ class Endpoint:
 
 class Members:
     """An admin endpoint per member; each answers its polls as `script[node]` says, in
-    turn ("ok", "refuse", "hang", or "slow": answer after SLOW seconds), the last word
-    repeating."""
+    turn ("ok", "refuse", "hang", "slow": answer after SLOW seconds, or "late": after
+    LATE), the last word repeating."""
 
     def __init__(self) -> None:
         self.script: dict[str, list[str]] = {}
@@ -50,6 +51,8 @@ class Members:
             await self.released.wait()
         if word == "slow":
             await asyncio.sleep(SLOW)
+        if word == "late":
+            await asyncio.sleep(LATE)
         if word == "refuse":
             return web.Response(status=503)
         role = "primary" if node == "a" else "backup"
@@ -92,6 +95,22 @@ async def test_a_look_does_not_wait_for_a_member_that_did_not_answer_its_last_po
     await observer.polls["b"]
     third = {m.node: m.liveness for m in await observer.observe(RECORD)}
     assert third == {"a": Liveness.UP, "b": Liveness.UP}  # answering, it is waited for
+
+
+@pytest.mark.asyncio
+async def test_a_look_waits_for_a_member_restarted_since_its_poll_went_unanswered(
+    members: tuple[Members, HttpObserver],
+) -> None:
+    """A member killed did not answer its last poll; restarted, recovered and listening, it
+    wakes the controller, whose next look then takes its first answer. Not waited for, it
+    answered after the look, and was told whom to follow a poll later (0.1 s of a rejoin)."""
+    served, observer = members
+    served.script = {"a": ["ok"], "b": ["refuse", "late"]}
+    first = {m.node: m.liveness for m in await observer.observe(RECORD)}
+    assert first == {"a": Liveness.UP, "b": Liveness.SILENT}
+    observer.procs["b"].started += 1.0  # its next life
+    second = {m.node: m.liveness for m in await observer.observe(RECORD)}
+    assert second == {"a": Liveness.UP, "b": Liveness.UP}
 
 
 @pytest.mark.asyncio
