@@ -83,11 +83,12 @@ def source_env(tree: str | None) -> dict[str, str] | None:
 
 def in_turn(names: Iterable[str], run: int) -> list[str]:
     """`names` (broker names, Tandem's builds named `tandem...`) in the order they run in
-    `run`: two Tandem builds swap places every other run, the others keep theirs. So each
-    build runs right after RabbitMQ, or right after the other build, as often as the other
-    does: a lone broker's run right after RabbitMQ's took up to half as much CPU again a
-    message as its next runs (docs/performance.md, 64 KiB, 2026-12-04), which with a fixed
-    order counted against the build that always came first."""
+    `run`: two Tandem builds swap places every other run, the others keep theirs. So over
+    an even number of runs each build runs right after RabbitMQ, or right after the other
+    build, as often as the other does (with an odd number, the first one once more): a lone
+    broker's run right after RabbitMQ's took up to half as much CPU again a message as its
+    next runs (docs/performance.md, 64 KiB, 2026-12-04), which with a fixed order counted
+    against the build that always came first."""
     names = list(names)
     tandems = [n for n in names if n.startswith("tandem")]
     if run % 2:

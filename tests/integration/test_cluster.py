@@ -60,9 +60,9 @@ def publish(c: LocalCluster, queue: str, ids: range) -> None:
 
 def whole_again(member: dict[str, Any]) -> bool:
     """The restarted `member`'s own answer: whole, its copy from the primary taken. The
-    cluster's answer may still be of its last life: a member killed comes back at once,
-    often before the controller has seen it gone, and is listed in the ISR until the
-    controller drops it."""
+    cluster's answer may still be of its last life: a member killed comes back as soon as
+    the controller has looked once, and may be listed in the ISR until the controller's
+    next look drops it."""
     try:
         code, status = support.http(member["admin_port"], "GET", "/status")
     except OSError:  # not listening yet

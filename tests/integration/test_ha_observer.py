@@ -101,14 +101,18 @@ async def test_a_look_does_not_wait_for_a_member_that_did_not_answer_its_last_po
 async def test_a_look_waits_for_a_member_restarted_since_its_poll_went_unanswered(
     members: tuple[Members, HttpObserver],
 ) -> None:
-    """A member killed did not answer its last poll; restarted, recovered and listening, it
-    wakes the controller, whose next look then takes its first answer. Not waited for, it
-    answered after the look, and was told whom to follow a poll later (0.1 s of a rejoin)."""
+    """A member killed did not answer its last poll, nor the polls while its next life
+    started; restarted, recovered and listening (`listening`), it wakes the controller,
+    whose next look then takes its first answer. Not waited for, it answered after the look,
+    and was told whom to follow a poll later (0.1 s of a rejoin)."""
     served, observer = members
-    served.script = {"a": ["ok"], "b": ["refuse", "late"]}
+    served.script = {"a": ["ok"], "b": ["refuse", "refuse", "late"]}
     first = {m.node: m.liveness for m in await observer.observe(RECORD)}
     assert first == {"a": Liveness.UP, "b": Liveness.SILENT}
-    observer.procs["b"].started += 1.0  # its next life
+    observer.procs["b"].started += 1.0  # its next life, starting
+    starting = {m.node: m.liveness for m in await observer.observe(RECORD)}
+    assert starting == {"a": Liveness.UP, "b": Liveness.SILENT}
+    observer.listening("b")
     second = {m.node: m.liveness for m in await observer.observe(RECORD)}
     assert second == {"a": Liveness.UP, "b": Liveness.UP}
 

@@ -181,3 +181,47 @@ def test_looked_waits_no_longer_than_it_is_told() -> None:
         return asyncio.get_running_loop().time() - start
 
     assert 0.05 <= asyncio.run(main()) < 5
+
+
+def test_a_restart_that_fails_to_start_waits_longer_each_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A killed member whose restart fails (a full disk, no file descriptors) is tried again
+    after a doubling sleep, not at the controller's next look: those came every few
+    milliseconds, and so did the attempts, each logged."""
+    seen: list[tuple[str, float]] = []
+
+    async def looked(most: float) -> None:
+        seen.append(("looked", most))
+
+    async def slept(seconds: float) -> None:
+        seen.append(("slept", seconds))
+
+    async def main() -> None:
+        supervisor = Supervisor(
+            {}, Path("key"), {}, lambda p: None, looked=looked, on_back=lambda p: None
+        )
+        starts = iter([OSError(28, "No space left on device"), OSError(24, "Too many"), None])
+
+        async def start(proc: members.Proc) -> None:
+            failure = next(starts)
+            if failure is not None:
+                seen.append(("failed", 0.0))
+                raise failure
+            seen.append(("started", 0.0))
+            supervisor.stopping = True
+
+        monkeypatch.setattr(supervisor, "start", start)
+        proc = members.Proc("tandem-1", Path("d"), process=Exits(KILLED))  # type: ignore[arg-type]
+        await supervisor.keep(proc)
+
+    monkeypatch.setattr(members.asyncio, "sleep", slept)
+    asyncio.run(main())
+    assert seen == [
+        ("looked", RESTART_DELAY),
+        ("failed", 0.0),
+        ("slept", 2 * RESTART_DELAY),
+        ("failed", 0.0),
+        ("slept", 4 * RESTART_DELAY),
+        ("started", 0.0),
+    ]

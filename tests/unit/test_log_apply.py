@@ -26,8 +26,8 @@ class Disk:
         self.synced = 0
         self.epochs: list[tuple[int, int]] = []
 
-    def write(self, rtype: int, offset: int, data: bytes, key: Any) -> None:
-        self.frames.append(data)
+    def write(self, rtype: int, offset: int, data: bytes | list[bytes], key: Any) -> None:
+        self.frames.append(data if isinstance(data, bytes) else b"".join(data))
 
     def forget_queue(self, vhost: str, queue: str) -> None:
         pass

@@ -74,8 +74,7 @@ class HttpObserver:
         self.headers = {"Authorization": f"Bearer {key}"}
         self.clock = clock
         self.polls: dict[str, asyncio.Task[None]] = {}  # each member's poll under way
-        # Members whose last poll got no answer, and the start of the life it was sent to.
-        self.unanswered: dict[str, float] = {}
+        self.unanswered: set[str] = set()  # members whose last poll got no answer
         self.seen: dict[str, float] = {}  # each member's last answer, as the last look saw it
         # The controller's, kept up to date by its owner: an answer within it is taken, so a
         # member answering every poll within the delay is never silent for the delay.
@@ -93,19 +92,25 @@ class HttpObserver:
                     NodeStatus.model_validate(answer)  # not the contract: no answer
                     proc.status = answer
                     proc.last_answer = self.clock()
-                    self.unanswered.pop(proc.node, None)
+                    self.unanswered.discard(proc.node)
                     return
         except (aiohttp.ClientError, TimeoutError, ValueError):
             pass  # ValueError: not JSON, or not a status (pydantic's ValidationError)
-        self.unanswered[proc.node] = proc.started
+        self.unanswered.add(proc.node)
+
+    def listening(self, node: str) -> None:
+        """`node` was restarted and listens (its store recovered): the next look waits for
+        its answer, though its last poll, to its last life or to this one starting, got
+        none. Not waited for, its first answer came after the look, and the controller told
+        it whom to follow a poll later (up to 0.1 s of a rejoin)."""
+        self.unanswered.discard(node)
 
     async def observe(self, record: ElectionRecord) -> tuple[Member, ...]:
         """One look at every member. It waits up to LOOK_SECONDS for the polls it sends, and
         not at all for a member whose poll is still under way or that did not answer its
-        last poll in this life: a paused primary would otherwise hold every turn, and the
-        failover delay would be judged late. A member restarted since is waited for: its
-        first answer then counts in this look, not 0.1 s later in the next. An answer that
-        comes after the look counts in the next one: a member busy enough to answer in 0.6 s
+        last poll (unless it is `listening` since): a paused primary would otherwise hold
+        every turn, and the failover delay would be judged late. An answer that comes after
+        the look counts in the next one: a member busy enough to answer in 0.6 s
         is slow, not silent (issue 16: backups under a saturating load answered in 0.3-1.2
         s, and a poll timeout of 0.4 s dropped them from the ISR several times a minute)."""
         procs = list(self.procs.values())
@@ -115,7 +120,7 @@ class HttpObserver:
             task = self.polls.get(p.node)
             if task is None or task.done():
                 task = self.polls[p.node] = asyncio.create_task(self._poll(p))
-                if self.unanswered.get(p.node) != p.started:
+                if p.node not in self.unanswered:
                     waited.append(task)
         if waited:
             await asyncio.wait(waited, timeout=LOOK_SECONDS)

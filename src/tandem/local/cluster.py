@@ -225,8 +225,11 @@ class LocalCluster:
         self.clock.wake.set()
 
     def _back(self, proc: Proc) -> None:
-        """A member restarted, its store recovered: the controller looks again at once, to
-        tell it whom to follow (it waited for the next poll, up to 0.1 s of a rejoin)."""
+        """A member restarted, its store recovered: the controller looks again at once, and
+        waits for its answer, to tell it whom to follow (it waited for the next poll, up to
+        0.1 s of a rejoin)."""
+        if self.observer is not None:
+            self.observer.inner.listening(proc.node)
         self.clock.wake.set()
 
     def _announce(self) -> None:

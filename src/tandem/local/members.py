@@ -31,7 +31,7 @@ import yaml
 
 log = logging.getLogger(__name__)
 
-RESTART_DELAY = 0.1  # after a member exits, before it is started again
+RESTART_DELAY = 0.1  # after a member exits, before it is started again (killed: at most)
 SPARE_DELAY = 2.0  # after a spare is taken (or the members started), before the next is made
 SPARE_MOST_DELAY = 10.0  # ... and at most this long while a member is not in the ISR
 SPARE_LOOK = 0.1  # how often the cluster is looked at meanwhile
@@ -45,8 +45,9 @@ def restart_delay(previous: float | None, code: int, ran: float) -> float:
 
     The wait doubles, up to MAX_RESTART_DELAY, only for a member that fails on its own and
     soon: a bad setting or a store it cannot open would otherwise restart in a tight loop. A
-    member killed from outside (SIGKILL: kill -9, the OOM killer) comes back at once however
-    often it is killed, so that it rejoins the in-sync set in time for the next failure."""
+    member killed from outside (SIGKILL: kill -9, the OOM killer) waits no longer however
+    often it is killed, so that it rejoins the in-sync set in time for the next failure; it
+    waits less (`Supervisor.keep`: until the controller has seen it gone)."""
     if previous is None or code == -signal.SIGKILL or ran >= STEADY_SECONDS:
         return RESTART_DELAY
     return min(previous * 2, MAX_RESTART_DELAY)
@@ -218,13 +219,19 @@ class Supervisor:
     async def keep(self, proc: Proc) -> None:
         """Restart the member whenever it exits, until the cluster stops."""
         delay: float | None = None
+        failed = False  # its last restart did not start
         while not self.stopping:
             assert proc.process is not None
             code = await proc.process.wait()
             if self.stopping:
                 return
-            delay = restart_delay(delay, code, time.monotonic() - proc.started)
-            killed = code == -signal.SIGKILL
+            if failed:
+                # A start that fails (a full disk, no file descriptors) fails again soon: the
+                # exit waited for is the last life's, so a kill would not slow it down.
+                delay = min(max(delay or 0.0, RESTART_DELAY) * 2, MAX_RESTART_DELAY)
+            else:
+                delay = restart_delay(delay, code, time.monotonic() - proc.started)
+            killed = code == -signal.SIGKILL and not failed
             log.warning(
                 "member %s exited with %s; restarting it as a backup %s %.1f s",
                 proc.node,
@@ -247,7 +254,9 @@ class Supervisor:
                 await self.start(proc)
             except (RuntimeError, OSError) as exc:
                 log.error("cannot restart member %s: %s", proc.node, exc)
+                failed = True
                 continue
+            failed = False
             proc.restarts += 1
             self.on_back(proc)
 
