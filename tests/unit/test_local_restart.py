@@ -95,14 +95,12 @@ class Exits:
         return self.returncode
 
 
-@pytest.mark.parametrize(("code", "waited"), [(KILLED, "looked"), (1, "slept")])
-def test_a_killed_member_comes_back_once_the_controller_has_seen_it_gone(
-    monkeypatch: pytest.MonkeyPatch, code: int, waited: str
-) -> None:
-    """Restarted before the controller's next look, a killed primary answered there as a
-    backup, and the failover took a turn longer: 0.25 s without confirms a kill, not 0.12.
-    A member that failed on its own waits its whole delay. Either, once started, wakes the
-    controller (`on_back`) to be told whom to follow at once, not at its next poll."""
+def restarted(
+    monkeypatch: pytest.MonkeyPatch, code: int, starts: list[OSError | None]
+) -> list[tuple[str, float]]:
+    """What the supervisor did, in order, for a member that exited with `code`, its
+    restarts failing or starting as `starts` says (None: started): how it waited (the
+    controller's look, or a sleep), each start, and its wake-up of the controller."""
     seen: list[tuple[str, float]] = []
 
     async def looked(most: float) -> None:
@@ -120,8 +118,13 @@ def test_a_killed_member_comes_back_once_the_controller_has_seen_it_gone(
             looked=looked,
             on_back=lambda p: seen.append(("back", 0.0)),
         )
+        script = iter(starts)
 
         async def start(proc: members.Proc) -> None:
+            failure = next(script)
+            if failure is not None:
+                seen.append(("failed", 0.0))
+                raise failure
             seen.append(("started", 0.0))
             supervisor.stopping = True
 
@@ -131,7 +134,40 @@ def test_a_killed_member_comes_back_once_the_controller_has_seen_it_gone(
 
     monkeypatch.setattr(members.asyncio, "sleep", slept)
     asyncio.run(main())
-    assert seen == [(waited, RESTART_DELAY), ("started", 0.0), ("back", 0.0)]
+    return seen
+
+
+@pytest.mark.parametrize(("code", "waited"), [(KILLED, "looked"), (1, "slept")])
+def test_a_killed_member_comes_back_once_the_controller_has_seen_it_gone(
+    monkeypatch: pytest.MonkeyPatch, code: int, waited: str
+) -> None:
+    """Restarted before the controller's next look, a killed primary answered there as a
+    backup, and the failover took a turn longer: 0.25 s without confirms a kill, not 0.12.
+    A member that failed on its own waits its whole delay. Either, once started, wakes the
+    controller (`on_back`) to be told whom to follow at once, not at its next poll."""
+    assert restarted(monkeypatch, code, [None]) == [
+        (waited, RESTART_DELAY),
+        ("started", 0.0),
+        ("back", 0.0),
+    ]
+
+
+def test_a_restart_that_fails_to_start_waits_longer_each_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A killed member whose restart fails (a full disk, no file descriptors) is tried again
+    after a doubling sleep, not at the controller's next look: those came every few
+    milliseconds, and so did the attempts, each logged."""
+    full, no_fds = OSError(28, "No space left on device"), OSError(24, "Too many open files")
+    assert restarted(monkeypatch, KILLED, [full, no_fds, None]) == [
+        ("looked", RESTART_DELAY),
+        ("failed", 0.0),
+        ("slept", 2 * RESTART_DELAY),
+        ("failed", 0.0),
+        ("slept", 4 * RESTART_DELAY),
+        ("started", 0.0),
+        ("back", 0.0),
+    ]
 
 
 def test_looked_returns_after_a_turn_that_began_after_it() -> None:
@@ -181,47 +217,3 @@ def test_looked_waits_no_longer_than_it_is_told() -> None:
         return asyncio.get_running_loop().time() - start
 
     assert 0.05 <= asyncio.run(main()) < 5
-
-
-def test_a_restart_that_fails_to_start_waits_longer_each_time(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A killed member whose restart fails (a full disk, no file descriptors) is tried again
-    after a doubling sleep, not at the controller's next look: those came every few
-    milliseconds, and so did the attempts, each logged."""
-    seen: list[tuple[str, float]] = []
-
-    async def looked(most: float) -> None:
-        seen.append(("looked", most))
-
-    async def slept(seconds: float) -> None:
-        seen.append(("slept", seconds))
-
-    async def main() -> None:
-        supervisor = Supervisor(
-            {}, Path("key"), {}, lambda p: None, looked=looked, on_back=lambda p: None
-        )
-        starts = iter([OSError(28, "No space left on device"), OSError(24, "Too many"), None])
-
-        async def start(proc: members.Proc) -> None:
-            failure = next(starts)
-            if failure is not None:
-                seen.append(("failed", 0.0))
-                raise failure
-            seen.append(("started", 0.0))
-            supervisor.stopping = True
-
-        monkeypatch.setattr(supervisor, "start", start)
-        proc = members.Proc("tandem-1", Path("d"), process=Exits(KILLED))  # type: ignore[arg-type]
-        await supervisor.keep(proc)
-
-    monkeypatch.setattr(members.asyncio, "sleep", slept)
-    asyncio.run(main())
-    assert seen == [
-        ("looked", RESTART_DELAY),
-        ("failed", 0.0),
-        ("slept", 2 * RESTART_DELAY),
-        ("failed", 0.0),
-        ("slept", 4 * RESTART_DELAY),
-        ("started", 0.0),
-    ]
