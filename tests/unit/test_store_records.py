@@ -55,7 +55,7 @@ def test_a_large_body_is_framed_around_its_own_buffer_not_copied_into_the_frame(
     msg.mid = records.mid(3, 77)
     payload = records.enqueue_parts(records.place("/", "q"), msg)
     parts = records.frame_parts(records.ENQUEUE, 3, 77, payload, True, True)
-    assert b"".join(parts) == records.frame(records.ENQUEUE, 3, 77, payload, True, True)
+    assert b"".join(parts) == records.frame(records.ENQUEUE, 3, 77, b"".join(payload), True, True)
     assert len(parts) == 3 and parts[1] is body
     assert records.continues(parts[0])
     found, end, corrupt, torn = records.scan(b"".join(parts))
@@ -242,7 +242,7 @@ def test_records_are_checksummed_with_crc32c() -> None:
     for data in (
         records.frame(records.ENQUEUE, 2, 7, b"small"),
         records.frame(records.ENQUEUE, 2, 7, big),  # checksummed without joining first
-        records.frame(records.ENQUEUE, 2, 7, [b"par", b"ts", big]),
+        b"".join(records.frame_parts(records.ENQUEUE, 2, 7, [b"par", b"ts", big])),
     ):
         magic, length, crc = records.REC_HDR.unpack_from(data)
         assert magic == records.WRITTEN == b"TC" and length == len(data) - records.REC_HDR.size
@@ -275,7 +275,9 @@ import google_crc32c
 google_crc32c.implementation = "python"  # as where no wheel or compiler gave the extension
 from tandem.broker.model import records
 assert not records.CRC32C_IN_C and records.WRITTEN == b"TL"
-old = records.frame(records.DEFINE, 1, 1, b"x" * 9000) + records.frame(records.DEFINE, 1, 2, [b"y"])
+old = records.frame(records.DEFINE, 1, 1, b"x" * 9000) + b"".join(
+    records.frame_parts(records.DEFINE, 1, 2, [b"y"])
+)
 found, end, corrupt, torn = records.scan(old + b"TC" + old[2:20])
 assert [r[2] for r in found] == [1, 2] and not corrupt and torn, (found, corrupt)
 print("ok")

@@ -108,15 +108,13 @@ def frame(
     rtype: int,
     epoch: int,
     offset: int,
-    payload: bytes | list[bytes],
+    payload: bytes,
     durable: bool = True,
     more: bool = False,
 ) -> bytes:
-    """A record's frame; `payload` may come as parts (`enqueue_parts`), joined here."""
+    """A record's frame; a payload in parts is framed by `frame_parts`."""
     flags = (DURABLE if durable else 0) | (MORE if more else 0)
     meta = _pack_meta(rtype | flags, epoch, offset)
-    if isinstance(payload, list):
-        return b"".join((_parts_header(meta, payload), meta, *payload))
     if len(payload) < BIG:
         rest = meta + payload
         return _pack_hdr(WRITTEN, len(rest), checksum(rest)) + rest
@@ -137,8 +135,11 @@ def frame_parts(
     them with one writev, so that a large body is never copied into a frame."""
     flags = (DURABLE if durable else 0) | (MORE if more else 0)
     meta = _pack_meta(rtype | flags, epoch, offset)
+    crc, size = checksum(meta), len(meta)
+    for part in payload:
+        crc, size = checksum(part, crc), size + len(part)
     out: list[bytes] = []
-    run = [_parts_header(meta, payload), meta]
+    run = [_pack_hdr(WRITTEN, size, crc), meta]
     for part in payload:
         if len(part) < BIG:
             run.append(part)
@@ -149,13 +150,6 @@ def frame_parts(
     if run:
         out.append(b"".join(run))
     return out
-
-
-def _parts_header(meta: bytes, payload: list[bytes]) -> bytes:
-    crc, size = checksum(meta), len(meta)
-    for part in payload:
-        crc, size = checksum(part, crc), size + len(part)
-    return _pack_hdr(WRITTEN, size, crc)
 
 
 def head(data: bytes | memoryview) -> tuple[int, int, int, bool]:
