@@ -39,18 +39,20 @@ MAX_RESTART_DELAY = 10.0
 STEADY_SECONDS = 30.0  # a member that ran this long before it exited was not crash-looping
 
 
-def restart_delay(previous: float | None, code: int, ran: float) -> float:
+def restart_delay(previous: float | None, code: int, ran: float, started: bool = True) -> float:
     """How long to wait before starting again a member that exited with `code` after `ran`
-    seconds, the wait before its last start having been `previous` (None: its first exit).
+    seconds, the wait before its last start having been `previous` (None: its first exit);
+    `started` False when that start failed (a full disk, no file descriptors): the exit is
+    still the last life's, and the wait doubles as for a member failing on its own.
 
     The wait doubles, up to MAX_RESTART_DELAY, only for a member that fails on its own and
     soon: a bad setting or a store it cannot open would otherwise restart in a tight loop. A
     member killed from outside (SIGKILL: kill -9, the OOM killer) waits no longer however
     often it is killed, so that it rejoins the in-sync set in time for the next failure; it
     waits less (`Supervisor.keep`: until the controller has seen it gone)."""
-    if previous is None or code == -signal.SIGKILL or ran >= STEADY_SECONDS:
+    if started and (previous is None or code == -signal.SIGKILL or ran >= STEADY_SECONDS):
         return RESTART_DELAY
-    return min(previous * 2, MAX_RESTART_DELAY)
+    return min((previous or RESTART_DELAY) * 2, MAX_RESTART_DELAY)
 
 
 def _die_with_parent() -> None:
@@ -225,12 +227,8 @@ class Supervisor:
             code = await proc.process.wait()
             if self.stopping:
                 return
-            if failed:
-                # A start that fails (a full disk, no file descriptors) fails again soon: the
-                # exit waited for is the last life's, so a kill would not slow it down.
-                delay = min(max(delay or 0.0, RESTART_DELAY) * 2, MAX_RESTART_DELAY)
-            else:
-                delay = restart_delay(delay, code, time.monotonic() - proc.started)
+            ran = time.monotonic() - proc.started
+            delay = restart_delay(delay, code, ran, started=not failed)
             killed = code == -signal.SIGKILL and not failed
             log.warning(
                 "member %s exited with %s; restarting it as a backup %s %.1f s",
