@@ -110,9 +110,9 @@ class HttpObserver:
         not at all for a member whose poll is still under way or that did not answer its
         last poll (unless it is `listening` since): a paused primary would otherwise hold
         every turn, and the failover delay would be judged late. An answer that comes after
-        the look counts in the next one: a member busy enough to answer in 0.6 s
-        is slow, not silent (issue 16: backups under a saturating load answered in 0.3-1.2
-        s, and a poll timeout of 0.4 s dropped them from the ISR several times a minute)."""
+        the look counts in the next one: a member busy enough to answer in 0.6 s is slow,
+        not silent (issue 16: backups under a saturating load answered in 0.3-1.2 s, and a
+        poll timeout of 0.4 s dropped them from the ISR several times a minute)."""
         procs = list(self.procs.values())
         before = {p.node: self.seen.get(p.node, p.last_answer) for p in procs}
         waited = []
