@@ -30,13 +30,11 @@ from clusters import ROOT, TandemCluster
 
 def usage(cluster: TandemCluster) -> dict[str, tuple[int, float]]:
     """Per member ("node/role"): bytes read from disk so far, CPU seconds so far."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for m in cluster.state()["members"]:
         io = Path(f"/proc/{m['pid']}/io").read_text().splitlines()
         read = next(int(line.split()[1]) for line in io if line.startswith("read_bytes"))
-        stat = Path(f"/proc/{m['pid']}/stat").read_text().rsplit(")", 1)[1].split()
-        out[f"{m['node']}/{m['role']}"] = (read, (int(stat[11]) + int(stat[12])) / tick)
+        out[f"{m['node']}/{m['role']}"] = (read, alone.cpu_seconds([m["pid"]]))
     return out
 
 
