@@ -154,6 +154,34 @@ def test_after_a_failed_write_the_log_is_tried_again_on_the_thread(
     assert on_disk(tmp_path) == ["a", "b", "c"]
 
 
+def test_an_epoch_written_before_a_failed_write_is_not_added_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The epochs file is appended before the batch's records: when the records then fail
+    to go (a full disk), the retry writes the records, not the epoch a second time."""
+    real = os.writev
+    failures = [OSError(errno.ENOSPC, "No space left on device")] * 2
+
+    def full(fd: int, buffers: list[memoryview]) -> int:
+        if failures:
+            raise failures.pop()
+        return real(fd, buffers)
+
+    async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
+        broker.add_vhost("/")
+        await declared(broker, seq, "a")
+        store.retry_seconds = 0.01
+        monkeypatch.setattr(os, "writev", full)
+        store.boundary(2, seq.offset + 1)
+        await declared(broker, seq, "b")  # fails twice, then works
+        assert not failures and store.write_error is None
+
+    with_store(tmp_path, body)
+    epochs = (tmp_path / "log" / "epochs").read_text().splitlines()
+    assert [line for line in epochs if line.startswith("2 ")] == [epochs[-1]]
+    assert on_disk(tmp_path) == ["a", "b"]
+
+
 def test_a_batch_that_failed_for_a_log_reset_since_is_not_written_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -104,6 +104,7 @@ INLINE_BYTES: Final = 16 << 10  # a batch this small is written on the loop when
 INLINE_SECONDS: Final = 0.0005  # fast: recent batches' writes and fsyncs took less
 LAZY_SECONDS: Final = 0.01  # records nothing waits for are written within this
 LAZY_BYTES: Final = 1 << 20  # ... or once this many of them are pending
+RETRY_SECONDS: Final = 1.0  # a write that failed (a full disk) is tried again after this
 
 
 @dataclass(slots=True)
@@ -252,6 +253,7 @@ class Store:
         self.handed = 0  # offset of the last durable record handed to the store
         self._synced = 0
         self.write_error: OSError | None = None
+        self.retry_seconds = RETRY_SECONDS  # after a failed write, before the next try
         self.on_write_error: Callable[[OSError | None], None] = lambda err: None
         # A page read back short (a corrupt record): a cluster member takes a copy.
         self.on_short_page: Callable[[str], None] = lambda what: None
@@ -880,6 +882,7 @@ class Store:
             return None  # written for a log that was reset meanwhile, or closed
         if batch.epochs:
             self._write_epochs(batch.epochs)
+            batch.epochs = []  # on disk: a retry after a failed write must not add them again
         touched: dict[int, int] = {}
         groups: dict[int, list[bytes]] = {}
         for seg, data in batch.chunks:
@@ -942,7 +945,7 @@ class Store:
                 self.pending.epochs[:0] = batch.epochs
             self.pending.callbacks[:0] = batch.callbacks
             self.inflight = None
-            self.loop.call_later(1.0, self._retry)
+            self.loop.call_later(self.retry_seconds, self._retry)
             return
         if self.write_error is not None:
             log.warning("the log in %s is writable again", self.dir)
