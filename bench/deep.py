@@ -91,7 +91,8 @@ class LoneTandem:
 
 
 def log_mb(data_dir: Path) -> float:
-    return sum(p.stat().st_size for p in (data_dir / "log").glob("*.seg")) / 2**20
+    log_dir = data_dir / "log"  # spares too: consumed segments kept to be written over
+    return sum(p.stat().st_size for p in [*log_dir.glob("*.seg"), *log_dir.glob("*.spare")]) / 2**20
 
 
 def depth(url: str, queue: str) -> int:

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pika
 import yaml
 from pamqp import commands, frame, header
 
@@ -406,6 +407,24 @@ def drain(conn: Any, queue: str) -> list[bytes]:
         got.append(body)
     conn.close()
     return got
+
+
+def churn_behind(url: str, queue: str, count: int, size: int = 32 * 1024) -> None:
+    """Publish `count` persistent, confirmed messages of `size` bytes (each its number,
+    padded with dots) to durable `queue`, each acked three behind the publisher: a message's
+    ack lands in a later part of the log than its publish. The last three stay."""
+    conn = pika.BlockingConnection(pika.URLParameters(url))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(queue, durable=True)
+    persistent = pika.BasicProperties(delivery_mode=2)
+    for n in range(count):
+        ch.basic_publish("", queue, str(n).encode().ljust(size, b"."), persistent)
+        if n >= 3:
+            method, _props, _body = ch.basic_get(queue)
+            ch.basic_ack(method.delivery_tag)
+    ch.queue_declare(queue, durable=True, passive=True)  # round trip: the acks were handled
+    conn.close()
 
 
 CHART = Path(__file__).resolve().parents[1] / "charts" / "tandem"

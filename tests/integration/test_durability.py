@@ -187,6 +187,19 @@ def test_consumed_messages_are_reclaimed(broker_factory) -> None:  # type: ignor
     assert len(consume_all(broker, "churn")) == 1
 
 
+def test_segments_written_over_bring_back_nothing_consumed_after_kill_9(broker_factory) -> None:  # type: ignore[no-untyped-def]
+    """Large messages: a consumed segment is kept and the log writes over it later, not a
+    new file. Killed with a segment half written over, the broker comes back with exactly
+    the messages left: the records of that segment's last life, past its end, name messages
+    consumed since, in segments deleted since, and stay gone."""
+    broker = broker_factory({"segment_bytes": 256 * 1024})
+    support.churn_behind(broker.url(), "churn", 100)
+    assert broker.status()["store"]["segments_written_over"] >= 4
+    broker.kill()
+    broker.start()
+    assert numbers(consume_all(broker, "churn")) == [97, 98, 99]
+
+
 def test_deleting_a_queue_frees_its_messages_in_the_log(broker: Broker) -> None:
     publish_confirmed(broker, "doomed", 50)
     publish_confirmed(broker, "kept", 5)

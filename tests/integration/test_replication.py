@@ -119,6 +119,32 @@ def test_a_backup_holds_every_confirmed_message_and_takes_over(cluster: Cluster)
     assert sorted(drain(b, "q")) == list(range(200))
 
 
+def test_a_backup_writes_over_consumed_segments_and_takes_over_with_what_is_left(
+    cluster: Cluster,
+) -> None:
+    """A backup writes the large messages it receives into segments written over consumed
+    ones (their frames salted anew for its own segments). Killed with the primary, it comes
+    back with exactly the messages left and serves them."""
+    a = cluster.add("a", segment_bytes=256 * 1024)
+    b = cluster.add("b", segment_bytes=256 * 1024)
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    support.churn_behind(a.url(), "big", 100)
+
+    def acks_on_disk() -> bool:  # acks are not confirmed: they reach b's disk soon after
+        store = b.status()["store"]
+        return bool(b.queue("big")["depth"] == 3 and store["synced"] == store["position"])
+
+    wait_for(acks_on_disk, "the last acks on the backup's disk")
+    assert b.status()["store"]["segments_written_over"] >= 4
+    a.kill()
+    b.kill()
+    b.start()
+    cluster.promote("b", 2, ["b"])
+    conn = pika.BlockingConnection(pika.URLParameters(b.url()))
+    assert [int(body.rstrip(b".")) for body in support.drain(conn, "big")] == [97, 98, 99]
+
+
 def test_what_the_old_primary_delivered_goes_out_redelivered(cluster: Cluster) -> None:
     """A delivery awaiting its ack is marked in the log (one MARKS record for a queue's
     deliveries in a turn): after failover the new primary sends those messages with

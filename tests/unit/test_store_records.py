@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import zlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -403,3 +408,290 @@ def test_large_bodies_written_as_parts_roll_segments_and_come_back_whole(
     assert asyncio.run(run(True)) == bodies
     assert len(list((tmp_path / "log").glob("*.seg"))) >= 3  # rolled, between records
     assert asyncio.run(run(False)) == bodies
+
+
+def test_a_reused_segment_reads_only_the_records_of_its_life() -> None:
+    """A segment written over a spare holds its last life's records past its new end: plain
+    ones, and ones salted with the number it had then. Read with its own salt, only the
+    records salted with it count, and what follows them is its end; read as a plain
+    segment, its salted records are not records at all."""
+    now, before = records.salt(7), records.salt(5)
+    assert now != before and records.salt(0) != 0
+
+    def plain(i: int) -> bytes:
+        return records.frame(records.DEFINE, 1, i, records.define("/", "q", {"i": i}))
+
+    def salted(i: int, salt: int) -> bytes:
+        return b"".join(records.salted(plain(i), salt))
+
+    life = salted(10, now) + salted(11, now)
+    stale = salted(3, before) + plain(1) + plain(2) + salted(4, before)
+    found, end, corrupt, torn = records.scan(life + stale, salt=now)
+    assert [r[2] for r in found] == [10, 11] and end == len(life) and torn and not corrupt
+    assert records.scan(life, salt=now)[3] is False  # its end, nothing after it
+    found, end, _corrupt, _torn = records.scan(life + stale)
+    assert [r[2] for r in found] == [1, 2]  # as a plain segment: the plain records only
+    # A body of a new life carries whole old records (a log shipped as a message): a plain
+    # record inside it does not count in a reused segment, even past a torn record.
+    inner = records.frame(records.ENQUEUE, 1, 12, plain(99) * 3)
+    torn_new = b"".join(records.salted(inner, now))[: records.HEADER + 40]
+    assert [r[2] for r in records.scan(life + torn_new + plain(99), salt=now)[0]] == [10, 11]
+
+
+def test_a_frame_with_zlibs_checksum_is_salted_with_crc32c() -> None:
+    """A primary without the C extension ships frames checked with zlib's CRC-32; a backup
+    writing one into a reused segment salts its CRC-32C, which it computes."""
+    payload = records.define("/", "q", {"x": 1}) * 1000  # large: the rest stays a view
+    crc = zlib.crc32(records.REC_META.pack(records.DEFINE | records.DURABLE, 1, 5) + payload)
+    rest = records.REC_META.pack(records.DEFINE | records.DURABLE, 1, 5) + payload
+    old = records.REC_HDR.pack(records.MAGIC_CRC32, len(rest), crc) + rest
+    parts = records.salted(old, records.salt(2))
+    assert isinstance(parts[1], memoryview) and len(parts) == 2
+    found = records.scan(b"".join(parts), salt=records.salt(2))[0]
+    assert found == [(records.DEFINE, 1, 5, payload)]
+
+
+def _big(i: int) -> bytes:
+    return bytes([i % 251]) * (16 * 1024) + str(i).encode()
+
+
+async def _churn(
+    tmp_path: Path,
+    count: int,
+    at_end: Callable[[Store], Awaitable[None] | None],
+    before: Callable[[Store, int], None] = lambda store, i: None,
+    **config: Any,
+) -> None:
+    """Publish `count` 16 KiB messages into 100 KB segments, each consumed three behind
+    the publisher, each step on disk before the next; `before(store, i)` before the i-th,
+    `at_end(store)` (awaited, if it is a coroutine) before the close."""
+    seq = Sequencer()
+    broker = Broker(seq)
+    store = Store(tmp_path, **{"fsync": False, "segment_bytes": 100_000, **config})
+    store.retry_seconds = 0.01
+    seq.disk = store
+    store.open(broker, seq, asyncio.get_running_loop())
+    try:
+        q = broker.add_vhost("/").declare_queue("q", durable=True)[0]
+        for i in range(count):
+            before(store, i)
+            _put(broker, "q", i)
+            if i >= 3:
+                got = q.get(no_ack=True)
+                assert got is not None
+                q.settle_unacked_get(got)
+            await _on_disk(seq)
+        ending = at_end(store)
+        if ending is not None:
+            await ending
+    finally:
+        store.close()
+        apply.done(broker)
+
+
+async def _on_disk(seq: Sequencer) -> None:
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    seq.when_done(lambda: done.set_result(None))
+    await done
+
+
+def _put(broker: Broker, queue: str, i: int) -> None:
+    """A persistent 16 KiB message into durable queue `queue`, declared if need be."""
+    q = broker.vhost("/").declare_queue(queue, durable=True)[0]
+    route = len(queue).to_bytes(2, "big") + queue.encode()
+    msg = Message("", queue, route, b"\x10\x00\x02", _big(i), len(_big(i)))
+    message.scan(msg)  # persistent: its properties say so
+    q.enqueue(msg)
+
+
+def _reopened(
+    where: Path, queues: tuple[str, ...] = ("q",), checkpoint: bool = False, **config: Any
+) -> list[bytes]:
+    """The bodies of `queues`, in order, taken from a store opened on `where` (a page read
+    back as it is taken); no spare is left after its start, which used a `checkpoint`."""
+
+    async def run() -> list[bytes]:
+        seq = Sequencer()
+        broker = Broker(seq)
+        store = Store(where, **{"fsync": False, "segment_bytes": 100_000, **config})
+        seq.disk = store
+        recovered = store.open(broker, seq, asyncio.get_running_loop())
+        try:
+            assert not list((where / "log").glob(f"*{log_mod.SPARE_SUFFIX}"))
+            assert (recovered.from_checkpoint is not None) == checkpoint
+            out = []
+            for name in queues:
+                q = broker.vhost("/").queues[name]
+                while (msg := q.get(no_ack=True)) is not None:
+                    out.append(msg.body_bytes())
+            return out
+        finally:
+            store.close()
+            apply.done(broker)
+
+    return asyncio.run(run())
+
+
+def test_consumed_segments_are_written_over_and_a_crash_brings_back_none_of_their_records(
+    tmp_path: Path,
+) -> None:
+    """Large messages, small segments: consumed segments become spares, later segments are
+    written over them, and a start after a crash (the log copied as it was, the last
+    segment's old records still past its end, a spare beside it) holds exactly the messages
+    left."""
+    crashed = tmp_path / "crashed"
+
+    def crash(store: Store) -> None:
+        # The last segment is written over a spare, and that spare's records lie past its
+        # end: the records a start must not take for its own.
+        last = store._path(store.active).read_bytes()
+        assert store._path(store.active).name.endswith(log_mod.REUSED_SUFFIX)
+        assert records.MAGIC_SALTED in last[store.sizes[store.active] :]
+        shutil.copytree(tmp_path / "log", crashed / "log")  # as kill -9 leaves it
+        # A spare holding whole plain records, as one written into and not yet renamed
+        # would hold its own: a start reads nothing of it.
+        first = min(p for p in (crashed / "log").glob("*.seg"))
+        shutil.copy(first, crashed / "log" / f"{999:020d}{log_mod.SPARE_SUFFIX}")
+
+    asyncio.run(_churn(tmp_path, 60, crash))
+    left = [_big(i) for i in range(57, 60)]
+    assert _reopened(crashed) == left
+    assert _reopened(tmp_path) == left
+
+
+def test_a_spare_whose_rename_failed_becomes_its_segment_at_the_next_try(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spare written into becomes its segment by a rename once its records are on disk;
+    a rename that fails fails the batch, which is written and renamed again. (Each spare's
+    first rename fails, the last segment's among them.)"""
+    real = os.rename
+    failed: list[tuple[str, str]] = []
+
+    def rename(src: str | Path, dst: str | Path) -> None:
+        if str(src).endswith(log_mod.SPARE_SUFFIX) and (str(src), str(dst)) not in failed:
+            failed.append((str(src), str(dst)))
+            raise OSError(errno.EIO, "Input/output error")
+        real(src, dst)
+
+    def whole(store: Store) -> None:  # every segment is its file; every spare file a spare
+        assert all(store._path(seg).exists() for seg in store.segments)
+        spares = {int(p.stem) for p in store.dir.glob(f"*{log_mod.SPARE_SUFFIX}")}
+        assert spares == set(store.spares)
+
+    monkeypatch.setattr(os, "rename", rename)
+    asyncio.run(_churn(tmp_path, 60, whole))
+    assert len(failed) >= 4
+    assert _reopened(tmp_path) == [_big(i) for i in range(57, 60)]
+
+
+def _whole(store: Store) -> None:
+    """Every segment is its file, holding each of its records once, up to where the store
+    says it ends; every spare file is a spare the store knows."""
+    for seg in store.segments:
+        if seg not in store.sizes:
+            continue  # nothing written to it yet
+        data = store._path(seg).read_bytes()[: store.sizes[seg]]
+        found, end, corrupt, _torn = records.scan(data, salt=store.salts.get(seg, 0))
+        offsets = [r[2] for r in found if r[0] != records.SNAPSHOT]
+        assert end == len(data) and not corrupt and len(offsets) == len(set(offsets))
+    if store.inflight is None:  # no batch is being written: its deletes are done
+        spares = {int(p.name[:20]) for p in store.dir.glob(f"*{log_mod.SPARE_SUFFIX}")}
+        assert spares == set(store.spares)
+
+
+def test_a_directory_fsync_that_fails_around_a_spare_writes_nothing_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The directory is fsynced after a spare becomes its segment (the batch fails until
+    it is, and is written again from where it began) and after a consumed segment becomes
+    a spare (its records are on disk: the spare is dropped, nothing written again)."""
+    real = os.fsync
+    failed: list[str] = []
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            names = sorted(p.name for p in (tmp_path / "log").iterdir())
+            for kind in (log_mod.REUSED_SUFFIX, log_mod.SPARE_SUFFIX):
+                new = [n for n in names if n.endswith(kind) and n not in failed]
+                if new and not any(f.endswith(kind) for f in failed[-1:]):
+                    failed.extend(new)
+                    raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    asyncio.run(_churn(tmp_path, 60, _whole, lambda store, i: _whole(store), fsync=True))
+    assert any(f.endswith(log_mod.REUSED_SUFFIX) for f in failed)
+    assert any(f.endswith(log_mod.SPARE_SUFFIX) for f in failed)
+    assert _reopened(tmp_path) == [_big(i) for i in range(57, 60)]
+
+
+def test_a_flipped_bit_in_a_segments_first_record_loses_that_record_only(
+    tmp_path: Path,
+) -> None:
+    """Whether a segment was written over is in its name, not in bytes that can rot: a
+    plain segment whose first record's magic reads as a salted one's ("TC" and "TS" are a
+    bit apart) loses that record, and the rest of the segment is read as before."""
+    asyncio.run(_churn(tmp_path, 6, lambda store: None, segment_bytes=40_000))
+    second = sorted((tmp_path / "log").glob("*.seg"))[1]
+    data = bytearray(second.read_bytes())
+    assert data[:2] == records.MAGIC
+    data[1] ^= ord("C") ^ ord("S")
+    second.write_bytes(bytes(data))
+    assert _reopened(tmp_path) == [_big(i) for i in range(3, 6)]
+
+
+def test_pages_checkpoints_and_carried_records_are_read_with_their_segments_salt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every reader of a segment written over uses its salt: compaction carrying a stuck
+    message forward out of one, a checkpoint naming records in them (its resume point
+    among them), and a queue paged out and read back from them."""
+    now = [0.0]
+
+    def tick() -> float:  # compaction's patience with a stuck message is over at once
+        now[0] += 100.0
+        return now[0]
+
+    async def end(store: Store) -> None:
+        assert store.broker is not None and store.sequencer is not None
+        while len(deep) < 4 or store.active not in store.salts:  # the resume point in one
+            assert len(deep) < 40, "no segment was written over"
+            deep.append(1000 + len(deep))
+            _put(store.broker, "deep", deep[-1])
+            await _on_disk(store.sequencer)
+        assert store.loop is not None
+        written: asyncio.Future[float] = store.loop.create_future()
+        store.checkpoint_seconds = written.set_result
+        store.checkpoint()
+        await written
+        _whole(store)
+
+    deep: list[int] = []
+
+    def stuck(store: Store, i: int) -> None:  # into a segment written over
+        if i == 30:
+            assert store.broker is not None and store.active in store.salts
+            _put(store.broker, "stuck", 500)
+
+    with caplog.at_level("INFO", logger="tandem.broker.store.log"):
+        asyncio.run(
+            _churn(
+                tmp_path / "log-of",
+                90,
+                end,
+                stuck,
+                checkpoint_records=10,
+                max_segments=3,
+                clock=tick,
+                segment_bytes=150_000,  # nine a segment: carried once eight are consumed
+            )
+        )
+    assert "compaction: carried 1 live messages" in caplog.text
+    want = [_big(500), *(_big(i) for i in deep), *(_big(i) for i in range(87, 90))]
+    for page_bytes in (0, 1):  # held in memory; paged, and read back as they are taken
+        copy = tmp_path / f"paged-{page_bytes}"
+        shutil.copytree(tmp_path / "log-of", copy)
+        queues = ("stuck", "deep", "q")
+        got = _reopened(copy, queues, True, page_bytes=page_bytes, checkpoint_records=10)
+        assert got == want

@@ -11,6 +11,13 @@ CRC-32 took 30. Magic "TL" marks a record checksummed with zlib's CRC-32: what v
 before 2026-11-28 wrote, and what a node writes where google-crc32c has no C extension (its
 pure-Python fallback takes 18 ms for 64 KiB). Both kinds are read.
 
+Magic "TS" marks a record of a reused segment (the store writes over a consumed segment
+rather than delete it and allocate a new one, `Store._roll`): its checksum is the CRC-32C
+xor the segment's salt (`salt`, from its number). Such a segment (named so: `.reused.seg`)
+is read with its salt, and only "TS" records that check out with it count: the records of
+its last life that still lie past its new end never do. Only the store writes "TS"; the wire
+never carries it.
+
 The type's high bit says the record is durable (a backup writes it to disk); the next bit
 (MORE) that more records of the same group follow: a group (a transaction's publishes and
 acks) is applied whole or not at all. A record's identity is (epoch, offset).
@@ -35,6 +42,7 @@ from tandem.broker.model.message import Message
 
 MAGIC: Final = b"TC"  # a record checksummed with CRC-32C
 MAGIC_CRC32: Final = b"TL"  # ... with zlib's CRC-32 (before 2026-11-28, or no C extension)
+MAGIC_SALTED: Final = b"TS"  # ... with CRC-32C xor its reused segment's salt
 CRC32C_IN_C: Final = google_crc32c.implementation == "c"
 WRITTEN: Final = MAGIC if CRC32C_IN_C else MAGIC_CRC32  # the kind of record this node writes
 REC_HDR: Final = struct.Struct(">2sII")  # magic, length of the rest, checksum of the rest
@@ -152,6 +160,35 @@ def frame_parts(
     return out
 
 
+def salt(segment: int) -> int:
+    """The salt of a reused segment's records: never 0, and different for each number below
+    2**32 (an odd multiplier is a bijection modulo 2**32)."""
+    return ((segment + 1) * 0x9E3779B1) & 0xFFFFFFFF or 1
+
+
+def salted(data: bytes | list[bytes], with_salt: int) -> list[bytes | memoryview]:
+    """A frame this node framed or received (whole, or in parts with the header in the
+    first), as a reused segment holds it: magic "TS", its CRC-32C xor `with_salt`, the rest
+    as it is. A large frame's rest is not copied; a frame with zlib's CRC-32 (a primary
+    without the C extension) is checked again with CRC-32C."""
+    parts = [data] if isinstance(data, bytes) else data
+    first = parts[0]
+    magic: bytes
+    length: int
+    crc: int
+    magic, length, crc = _read_hdr(first, 0)
+    if magic != MAGIC:
+        crc = crc32c(first[HDR_SIZE:])
+        for part in parts[1:]:
+            crc = crc32c(part, crc)
+    head = _pack_hdr(MAGIC_SALTED, length, crc ^ with_salt)
+    out: list[bytes | memoryview] = (
+        [head + first[HDR_SIZE:]] if len(first) < BIG else [head, memoryview(first)[HDR_SIZE:]]
+    )
+    out.extend(parts[1:])
+    return out
+
+
 def head(data: bytes | memoryview) -> tuple[int, int, int, bool]:
     """(type, epoch, offset, durable) of a frame known to be whole and checked."""
     rtype: int
@@ -188,8 +225,10 @@ def scan(
     where: str = "log",
     stop_at_corrupt: bool = False,
     positions: list[int] | None = None,
+    salt: int = 0,
 ) -> tuple[list[Scanned], int, list[Corruption], bool]:
-    """Read the frames in `data`, in order.
+    """Read the frames in `data`, in order: of a reused segment, those salted with its
+    `salt` (`salted`), else those of a plain one.
 
     Returns the records, the end of the last one, the corrupt spots, and whether the data
     ends in a torn tail (a record cut short that no valid record follows). A corrupt spot
@@ -207,7 +246,7 @@ def scan(
     epoch: int
     offset: int
     while pos < n:
-        problem = problem_at(data, pos)
+        problem = problem_at(data, pos, salt)
         if problem is None:
             _m, length, _crc = _read_hdr(data, pos)
             end = pos + HDR_SIZE + length
@@ -219,7 +258,7 @@ def scan(
             continue
         if data.count(0, pos) == n - pos:  # never written (a zero is no frame's first byte)
             return records, good_end, corrupt, False
-        nxt = _next_valid(data, pos + 1)
+        nxt = _next_valid(data, pos + 1, salt)
         if nxt is None:
             return records, good_end, corrupt, True
         corrupt.append(Corruption(where, pos, problem))
@@ -238,7 +277,7 @@ def enqueue_sizes(data: bytes, pos: int) -> tuple[int, int] | None:
     try:
         magic, length, _crc = _read_hdr(data, pos)
         end = pos + HDR_SIZE + length
-        if (magic != MAGIC and magic != MAGIC_CRC32) or end > len(data):
+        if (magic != MAGIC and magic != MAGIC_CRC32 and magic != MAGIC_SALTED) or end > len(data):
             return None
         at = pos + HEADER
         (field,) = _read_u16(data, at)
@@ -273,8 +312,8 @@ def read_at(data: bytes, pos: int) -> Scanned:
     )
 
 
-def problem_at(data: bytes, pos: int) -> str | None:
-    """What is wrong with the frame at `pos`, or None."""
+def problem_at(data: bytes, pos: int, salt: int = 0) -> str | None:
+    """What is wrong with the frame at `pos` (of a reused segment with `salt`), or None."""
     n = len(data)
     if n - pos < HDR_SIZE:
         return "truncated record header"
@@ -282,22 +321,33 @@ def problem_at(data: bytes, pos: int) -> str | None:
     crc: int
     magic, length, crc = _read_hdr(data, pos)
     end = pos + HDR_SIZE + length
-    if magic != MAGIC and magic != MAGIC_CRC32:
+    if salt:
+        if magic != MAGIC_SALTED:
+            return "not a record of this life of a reused segment"
+    elif magic != MAGIC and magic != MAGIC_CRC32:
         return "bad record magic"
     if length < META_SIZE or length > MAX_RECORD:
         return f"bad record length {length}"
     if end > n:
         return "record runs past the end of the file"
     rest = data[pos + HDR_SIZE : end]
-    if (crc32c(rest) if magic == MAGIC else zlib.crc32(rest)) != crc:
+    if (zlib.crc32(rest) if magic == MAGIC_CRC32 else crc32c(rest) ^ salt) != crc:
         return "checksum mismatch"
     return None
 
 
-def _next_valid(data: bytes, start: int) -> int | None:
-    """Where the next valid record begins at or after `start`, of either kind. Each kind's
-    magic is searched for onwards from its last find only, so that a stretch with many false
-    magics of one kind is not searched through again for the other at each."""
+def _next_valid(data: bytes, start: int, salt: int = 0) -> int | None:
+    """Where the next valid record begins at or after `start`: of a reused segment (`salt`),
+    salted with it; else of either kind. Each kind's magic is searched for onwards from its
+    last find only, so that a stretch with many false magics of one kind is not searched
+    through again for the other at each."""
+    if salt:
+        pos = data.find(MAGIC_SALTED, start)
+        while pos != -1:
+            if problem_at(data, pos, salt) is None:
+                return pos
+            pos = data.find(MAGIC_SALTED, pos + 1)
+        return None
     new, old = data.find(MAGIC, start), data.find(MAGIC_CRC32, start)
     while new != -1 or old != -1:
         pos = old if new == -1 else new if old == -1 else min(new, old)
