@@ -695,3 +695,40 @@ def test_pages_checkpoints_and_carried_records_are_read_with_their_segments_salt
         queues = ("stuck", "deep", "q")
         got = _reopened(copy, queues, True, page_bytes=page_bytes, checkpoint_records=10)
         assert got == want
+
+
+def test_segments_set_aside_leave_no_salt_to_the_numbers_written_again(tmp_path: Path) -> None:
+    """A cluster member that stops at a corrupt record sets the later segments aside and
+    goes on from the cut one: the numbers of those set aside are written again, as plain
+    segments (a start has no spares), and read again as such, whole."""
+
+    def hold(store: Store, i: int) -> None:  # a message never consumed keeps the segments
+        if i == 40 and store.broker is not None:
+            _put(store.broker, "held", 1000)
+
+    asyncio.run(_churn(tmp_path, 60, lambda store: None, hold))
+    paths = sorted((tmp_path / "log").glob("*.seg"))
+    reused = [k for k in range(1, len(paths)) if paths[k].name.endswith(log_mod.REUSED_SUFFIX)]
+    assert reused, [p.name for p in paths]
+    data = bytearray(paths[reused[0] - 1].read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a body in the middle of the segment before one reused
+    paths[reused[0] - 1].write_bytes(bytes(data))
+
+    async def go_on() -> list[str]:
+        seq = Sequencer()
+        broker = Broker(seq)
+        store = Store(tmp_path, fsync=False, segment_bytes=100_000)
+        seq.disk = store
+        recovered = store.open(broker, seq, asyncio.get_running_loop(), stop_at_corrupt=True)
+        try:
+            for i in range(100, 120):  # past the number set aside, and the next
+                _put(broker, "q", i)
+                await _on_disk(seq)
+            return recovered.set_aside
+        finally:
+            store.close()
+            apply.done(broker)
+
+    set_aside = asyncio.run(go_on())
+    assert any(p.endswith(log_mod.REUSED_SUFFIX + ".bad") for p in set_aside)
+    assert _reopened(tmp_path)[-20:] == [_big(i) for i in range(100, 120)]

@@ -532,7 +532,8 @@ class Store:
         exact = None if mids is None else set(mids)
         gone, marked = page.gone, page.marked
         for seg, start, end in page.extents:
-            path = self._path(seg)
+            salt = self.salts.get(seg, 0)  # then its path: a copy's thread reads as it goes
+            path = self.dir / f"{seg:020d}{REUSED_SUFFIX if salt else '.seg'}"
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -545,7 +546,7 @@ class Store:
                 os.close(fd)
             positions: list[int] = []
             found, _good, corrupt, _torn = records.scan(
-                data, str(path), positions=positions, salt=self.salts.get(seg, 0)
+                data, str(path), positions=positions, salt=salt
             )
             for c in corrupt:
                 c.offset += start
@@ -699,6 +700,7 @@ class Store:
         self.segments[self.active] = 0
         self.active_size = 0
         self.salt = 0
+        self.salts.pop(self.active, None)  # a number set aside at the start may come again
         if self.spares:
             self.spare_for[self.active] = self.spares.popleft()
             self.written_over += 1
@@ -735,12 +737,16 @@ class Store:
                 self._carried(oldest)  # nothing live in it, and no requeued flag to keep
                 continue
             path = self._path(oldest)
-            if self.loop is not None and path.stat().st_size > CARRY_BYTES:
+            # Its records only: a segment written over holds its last life's after them.
+            size = self.sizes.get(oldest)
+            if size is None:
+                size = path.stat().st_size
+            if self.loop is not None and size > CARRY_BYTES:
                 self.carrying = _Carry(oldest, self.generation)
-                fut = self.loop.run_in_executor(None, path.read_bytes)
+                fut = self.loop.run_in_executor(None, _read_head, path, size)
                 fut.add_done_callback(self._carry_read)
                 return
-            _whole, moved = self._carry_forward(oldest, path.read_bytes())
+            _whole, moved = self._carry_forward(oldest, _read_head(path, size))
             log.info("compaction: carried %d live messages out of segment %d", moved, oldest)
             self._carried(oldest)
         for seg in list(self.segments):
@@ -760,6 +766,7 @@ class Store:
         if (
             records.CRC32C_IN_C
             and kept < SPARES
+            and seg not in self.pinned  # a copy may be reading it: not written over
             and 0 < enqueued * REUSE_BYTES <= self.sizes.get(seg, 0)
         ):
             self.pending.spares.append(seg)
@@ -992,9 +999,9 @@ class Store:
         kept: list[int] = []
         for seg in batch.deletes:
             fd_or_none = self.fds.pop(seg, None)
-            if fd_or_none is not None:
-                os.close(fd_or_none)
             try:
+                if fd_or_none is not None:
+                    os.close(fd_or_none)
                 if seg in batch.spares:
                     _rename_once(self._path(seg), self._spare_path(seg))
                     kept.append(seg)
@@ -1652,8 +1659,8 @@ class Store:
         self.dir.mkdir(parents=True, exist_ok=True)
         result = Recovered()
         paths = sorted(self.dir.glob("*.seg"))
-        # A reused segment is known by its first record's magic (`records.salted`). A spare
-        # is a consumed segment: written into or not, it holds nothing the log needs.
+        # A reused segment is known by its name (`REUSED_SUFFIX`), and read with its salt. A
+        # spare is a consumed segment: written into or not, it holds nothing the log needs.
         self.salts = {
             _number(p): records.salt(_number(p)) for p in paths if p.name.endswith(REUSED_SUFFIX)
         }
@@ -1740,6 +1747,7 @@ class Store:
                     for later in paths[i + 1 :]:
                         aside = later.with_suffix(".seg.bad")
                         later.rename(aside)
+                        self.salts.pop(_number(later), None)
                         result.set_aside.append(str(aside))
                     break
             # Their owners' connections died with the process (as RabbitMQ deletes them).
@@ -2293,6 +2301,12 @@ READ_CHUNK: Final = 1 << 20  # a start reads a segment this much at a time (`_re
 def _number(path: Path) -> int:
     """A segment's number, from its file's name (`<number>.seg`, `<number>.reused.seg`)."""
     return int(path.name.partition(".")[0])
+
+
+def _read_head(path: Path, size: int) -> bytes:
+    """The first `size` bytes of `path`."""
+    with open(path, "rb") as f:
+        return f.read(size)
 
 
 def _rename_once(src: Path, dst: Path) -> None:
