@@ -127,18 +127,25 @@ def test_after_a_reset_only_what_is_written_again_is_on_disk(tmp_path: Path) -> 
     with_store(tmp_path, body)
 
 
-def test_after_a_failed_write_the_log_is_tried_again_on_the_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A failing disk can take seconds to fail: it is never tried on the loop again until
-    a write on the thread has worked."""
+def writes_failing(times: int) -> tuple[list[OSError], Callable[[int, list[memoryview]], int]]:
+    """A writev whose next `times` calls fail as on a full disk, and the failures left."""
     real = os.writev
-    failures = [OSError(errno.ENOSPC, "No space left on device")]
+    failures = [OSError(errno.ENOSPC, "No space left on device")] * times
 
     def full(fd: int, buffers: list[memoryview]) -> int:
         if failures:
             raise failures.pop()
         return real(fd, buffers)
+
+    return failures, full
+
+
+def test_after_a_failed_write_the_log_is_tried_again_on_the_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing disk can take seconds to fail: it is never tried on the loop again until
+    a write on the thread has worked."""
+    failures, full = writes_failing(1)
 
     async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
         broker.add_vhost("/")
@@ -159,13 +166,7 @@ def test_an_epoch_written_before_a_failed_write_is_not_added_again(
 ) -> None:
     """The epochs file is appended before the batch's records: when the records then fail
     to go (a full disk), the retry writes the records, not the epoch a second time."""
-    real = os.writev
-    failures = [OSError(errno.ENOSPC, "No space left on device")] * 2
-
-    def full(fd: int, buffers: list[memoryview]) -> int:
-        if failures:
-            raise failures.pop()
-        return real(fd, buffers)
+    failures, full = writes_failing(2)
 
     async def body(store: Store, broker: Broker, seq: Sequencer) -> None:
         broker.add_vhost("/")
