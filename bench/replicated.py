@@ -2,9 +2,9 @@
 same client (amqplib), same machine, one run.
 
     python bench/replicated.py [--runs 5] [--count 50000] [--windows none,1,100,1000]
-                               [--publishers 1,10] [--against TREE]
+                               [--publishers 1,10] [--size 100] [--against TREE]
 
-Persistent 100-byte messages with publisher confirms on a durable queue declared
+Persistent 100-byte messages (`--size` bytes) with publisher confirms on a durable queue declared
 `x-queue-type: quorum` (on Tandem every queue is replicated `all`, so the same declaration is
 a replicated queue there), a consumer running, from one publisher connection and from ten,
 each publisher keeping at most WINDOW publishes unconfirmed (`none`: only the socket's
@@ -38,6 +38,7 @@ def main() -> int:
     )
     ap.add_argument("--windows", default="none,1,100,1000", help="confirm windows")
     ap.add_argument("--publishers", default="1,10", help="publisher connections")
+    ap.add_argument("--size", type=int, default=100, help="message bytes")
     args = ap.parse_args()
     extra = ("--failover-delay", args.failover_delay)
     failed = False
@@ -68,6 +69,8 @@ def main() -> int:
         for mode, publishers, window in modes:
             count = args.count if window not in ("1",) else args.count // 10  # one at a time
             options = () if window == "none" else (f"window={window}",)
+            if args.size != 100:
+                options = (*options, f"size={args.size}")
             for run in range(-1, args.runs):  # run -1: the warm-up
                 for name in alone.in_turn(urls, run):
                     url = urls[name]
