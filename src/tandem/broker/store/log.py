@@ -537,7 +537,7 @@ class Store:
         gone, marked = page.gone, page.marked
         for seg, start, end in page.extents:
             salt = self.salts.get(seg, 0)  # then its path: a copy's thread reads as it goes
-            path = self.dir / f"{seg:020d}{REUSED_SUFFIX if salt else '.seg'}"
+            path = self._named(seg, bool(salt))
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -1117,7 +1117,11 @@ class Store:
             self._flush()
 
     def _path(self, seg: int) -> Path:
-        return self.dir / f"{seg:020d}{REUSED_SUFFIX if seg in self.salts else '.seg'}"
+        return self._named(seg, seg in self.salts)
+
+    def _named(self, seg: int, reused: bool) -> Path:
+        """Segment `seg`'s file: `.reused.seg` when it was written over a spare."""
+        return self.dir / f"{seg:020d}{REUSED_SUFFIX if reused else '.seg'}"
 
     def _spare_path(self, seg: int) -> Path:
         return self.dir / f"{seg:020d}{SPARE_SUFFIX}"
