@@ -442,9 +442,8 @@ def test_a_frame_with_zlibs_checksum_is_salted_with_crc32c() -> None:
     """A primary without the C extension ships frames checked with zlib's CRC-32; a backup
     writing one into a reused segment salts its CRC-32C, which it computes."""
     payload = records.define("/", "q", {"x": 1}) * 1000  # large: the rest stays a view
-    crc = zlib.crc32(records.REC_META.pack(records.DEFINE | records.DURABLE, 1, 5) + payload)
     rest = records.REC_META.pack(records.DEFINE | records.DURABLE, 1, 5) + payload
-    old = records.REC_HDR.pack(records.MAGIC_CRC32, len(rest), crc) + rest
+    old = records.REC_HDR.pack(records.MAGIC_CRC32, len(rest), zlib.crc32(rest)) + rest
     parts = records.salted(old, records.salt(2))
     assert isinstance(parts[1], memoryview) and len(parts) == 2
     found = records.scan(b"".join(parts), salt=records.salt(2))[0]
