@@ -204,37 +204,76 @@ class Primary(Transport):
             self.acks.append((msg.offset, self.store.synced))
 
 
+async def backup_behind_a_slow_disk(
+    tmp_path: Path,
+) -> tuple[member.Member, Follower, Broker, member.Member, Store, Primary]:
+    """A primary `a` (its link to b, its broker) and a backup b with a store on disk, synced
+    and acked, whose batches go to the writer's thread (held by taking `store.lock`), and
+    b's end of its link to `a`, which records b's acks."""
+    a, to_b, b_primary = primary_with_follower()
+    seq = Sequencer()
+    broker = Broker(seq)
+    store = Store(tmp_path, fsync=False)
+    seq.disk = store
+    store.open(broker, seq, asyncio.get_running_loop())
+    b = member.Member("b", broker, seq, store, Hooks(), key=b"k" * 16, data_dir=None, isr_min=1)
+    b.loop = asyncio.get_running_loop()
+    upstream = Primary(store)
+    b.upstream = Follower(upstream).link
+    b._control(core.Follow("a", 1))
+    a.on_peer(wire.decode(upstream.data))  # its Hello: a Sync of the 50 messages
+    b.on_peer(wire.decode(to_b.data))
+    assert b.replica.synced
+    await until(lambda: b.ack is None)  # the copy written, and acked
+    store.write_recent = 1.0  # batches go to the writer's thread
+    return a, to_b, b_primary, b, store, upstream
+
+
+async def publish_twice_while_writing(
+    a: member.Member, to_b: Follower, b_primary: Broker, b: member.Member, store: Store
+) -> list[int]:
+    """Two messages published on `a` and taken by b while b's writer is held mid-batch (as
+    by a slow disk): the first batch goes to the writer, the second waits. b's log end
+    after each."""
+    q = b_primary.vhost("/").queues["q"]
+    ends = []
+    with store.lock:
+        for _ in range(2):
+            sent = len(to_b.data)
+            publish(q)
+            a._flush(due=True)
+            b.on_peer(wire.decode(to_b.data[sent:]))
+            await asyncio.sleep(0)
+            ends.append(b.log.end)
+    return ends
+
+
 def test_a_backup_acks_records_only_once_they_are_on_its_disk(tmp_path: Path) -> None:
     """Records that arrive while the batch before them is being written are acked once
     they are written too, not when that batch is (rule 3)."""
 
     async def run() -> None:
-        a, to_b, b_primary = primary_with_follower()
-        seq = Sequencer()
-        broker = Broker(seq)
-        store = Store(tmp_path, fsync=False)
-        seq.disk = store
-        store.open(broker, seq, asyncio.get_running_loop())
-        b = member.Member("b", broker, seq, store, Hooks(), key=b"k" * 16, data_dir=None, isr_min=1)
-        b.loop = asyncio.get_running_loop()
-        upstream = Primary(store)
-        b.upstream = Follower(upstream).link
-        b._control(core.Follow("a", 1))
-        a.on_peer(wire.decode(upstream.data))  # its Hello: a Sync of the 50 messages
-        b.on_peer(wire.decode(to_b.data))
-        assert b.replica.synced
-        await until(lambda: not b.ack_scheduled)  # the copy written, and acked
-        store.write_recent = 1.0  # batches go to the writer's thread
-        q = b_primary.vhost("/").queues["q"]
-        with store.lock:  # the writer is held mid-batch (as by a slow disk)
-            for _ in range(2):
-                sent = len(to_b.data)
-                publish(q)
-                a._flush(due=True)
-                b.on_peer(wire.decode(to_b.data[sent:]))
-                await asyncio.sleep(0)  # the first goes to the writer, the second waits
+        a, to_b, b_primary, b, store, upstream = await backup_behind_a_slow_disk(tmp_path)
+        await publish_twice_while_writing(a, to_b, b_primary, b, store)
         await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == b.log.end)
         store.close()
+        assert all(acked <= synced for acked, synced in upstream.acks), upstream.acks
+
+    asyncio.run(run())
+
+
+def test_each_write_done_sends_the_ack_of_what_it_wrote(tmp_path: Path) -> None:
+    """The records of a batch are acked once it is written, though newer records wait for
+    the next batch: an ack that waited for the newest records was put off at every write
+    while they kept coming, and a backup under load acked nothing for a second or more."""
+
+    async def run() -> None:
+        a, to_b, b_primary, b, store, upstream = await backup_behind_a_slow_disk(tmp_path)
+        first, second = await publish_twice_while_writing(a, to_b, b_primary, b, store)
+        await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == second)
+        store.close()
+        acked = [offset for offset, _synced in upstream.acks]
+        assert first in acked, acked
         assert all(acked <= synced for acked, synced in upstream.acks), upstream.acks
 
     asyncio.run(run())

@@ -135,6 +135,15 @@ class _Making:
         self.started = time.monotonic()
 
 
+class _Ack:
+    """An ack waiting for the disk: it goes once the write that `point` names is done."""
+
+    __slots__ = ("dest", "msg", "point")
+
+    def __init__(self, dest: str, msg: core.Ack, point: object) -> None:
+        self.dest, self.msg, self.point = dest, msg, point
+
+
 class Member:
     """Implements the Sequencer's Shipper port on a primary."""
 
@@ -181,9 +190,8 @@ class Member:
         self.shipped = 0  # offset of the last record sent to the followers
         self.flush_scheduled = False
         self.lazy: asyncio.TimerHandle | None = None
-        # The newest ack to send, with the store's last record then: it goes once that is on
-        # disk.
-        self.ack: tuple[str, core.Ack, int] | None = None
+        # The newest ack waiting for the disk (`_ack_on_disk`).
+        self.ack: _Ack | None = None
         # Followers whose copy is being made on another thread: what else goes to them
         # meanwhile is held and sent after it, in the order the core meant.
         self.copying: dict[str, _Making] = {}
@@ -193,7 +201,6 @@ class Member:
         # A follower's unsent bytes when its copy was written, and its bytes written since:
         # the copy is no sign of a slow reader until it has left the buffer.
         self.copy_bytes: dict[str, list[int]] = {}
-        self.ack_scheduled = False
         self.refused: str | None = None  # why this member cannot join its primary
         self.blocked: str | None = None  # why publishers wait, as the node was last told
         self.flowing = False  # publishers are not read until the followers catch up
@@ -425,10 +432,7 @@ class Member:
         made: tuple[core.Append, tuple[int, ...], bytes] | None = None  # the last Append
         for dest, msg in outs:
             if isinstance(msg, core.Ack) and self.store is not None:
-                self.ack = (dest, msg, self.store.handed)  # sent once that is on disk
-                if not self.ack_scheduled:
-                    self.ack_scheduled = True
-                    self.store.when_synced(self._send_ack)
+                self._ack_on_disk(self.store, dest, msg)
                 continue
             if isinstance(msg, core.Sync) and isinstance(msg.full, Copy):
                 self._send_copy(dest, msg)
@@ -494,18 +498,28 @@ class Member:
         for data in making.held:
             self._write(dest, data)
 
-    def _send_ack(self) -> None:
-        if self.ack is not None and self.store is not None:
-            dest, msg, need = self.ack
-            store = self.store
-            if store.synced < min(need, store.handed):
-                # Called back for an earlier batch: this ack's records came after it, and
-                # are written next (rule 3: acked once on disk).
-                store.when_synced(self._send_ack)
-                return
-            self.ack = None
+    def _ack_on_disk(self, store: Store, dest: str, msg: core.Ack) -> None:
+        """Send `msg` once the records it acks are on disk (rule 3): when the write that
+        holds the last of them is done. A newer ack whose records go in the same write
+        replaces it. Each write done sends the newest ack it covers: an ack that waited for
+        the newest records instead was put off at every write while a primary's records
+        kept coming, and under load a backup acked nothing for a second or more (issue
+        16)."""
+        point = store.sync_point()
+        if point is None:
             self._write(dest, wire.encode(msg, self._takes(dest)))
-        self.ack_scheduled = False
+            return
+        ack = self.ack
+        if ack is not None and ack.point is point:
+            ack.dest, ack.msg = dest, msg
+            return
+        self.ack = ack = _Ack(dest, msg, point)
+        store.when_synced(functools.partial(self._send_ack, ack))
+
+    def _send_ack(self, ack: _Ack) -> None:
+        if self.ack is ack:
+            self.ack = None
+        self._write(ack.dest, wire.encode(ack.msg, self._takes(ack.dest)))
 
     def _write(self, dest: str, data: bytes) -> None:
         making = self.copying.get(dest)

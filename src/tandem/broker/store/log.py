@@ -644,6 +644,17 @@ class Store:
             self.pending.epochs.clear()
             self._rewrite_epochs(boundaries)
 
+    def sync_point(self) -> object | None:
+        """What `when_synced` would wait for now: the batch being filled, or the one being
+        written, or None when everything handed is on disk. Two calls that return the same
+        object are answered by the same write."""
+        if self.pending.chunks:
+            return self.pending
+        inflight = self.inflight
+        if inflight is not None and inflight.chunks:
+            return inflight
+        return None
+
     def when_synced(self, callback: Callable[[], None]) -> None:
         """Call back once everything handed so far is on disk."""
         if self.pending.chunks:
