@@ -229,16 +229,21 @@ async def backup_behind_a_slow_disk(
     return a, to_b, b_primary, b, store, upstream
 
 
-async def publish_twice_while_writing(
-    a: member.Member, to_b: Follower, b_primary: Broker, b: member.Member, store: Store
+async def publish_while_writing(
+    a: member.Member,
+    to_b: Follower,
+    b_primary: Broker,
+    b: member.Member,
+    store: Store,
+    times: int = 2,
 ) -> list[int]:
-    """Two messages published on `a` and taken by b while b's writer is held mid-batch (as
-    by a slow disk): the first batch goes to the writer, the second waits. b's log end
-    after each."""
+    """Messages published on `a` and taken by b while b's writer is held mid-batch (as by
+    a slow disk): the first batch goes to the writer, the others wait in the next. b's log
+    end after each."""
     q = b_primary.vhost("/").queues["q"]
     ends = []
     with store.lock:
-        for _ in range(2):
+        for _ in range(times):
             sent = len(to_b.data)
             publish(q)
             a._flush(due=True)
@@ -254,7 +259,7 @@ def test_a_backup_acks_records_only_once_they_are_on_its_disk(tmp_path: Path) ->
 
     async def run() -> None:
         a, to_b, b_primary, b, store, upstream = await backup_behind_a_slow_disk(tmp_path)
-        await publish_twice_while_writing(a, to_b, b_primary, b, store)
+        await publish_while_writing(a, to_b, b_primary, b, store)
         await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == b.log.end)
         store.close()
         assert all(acked <= synced for acked, synced in upstream.acks), upstream.acks
@@ -269,11 +274,27 @@ def test_each_write_done_sends_the_ack_of_what_it_wrote(tmp_path: Path) -> None:
 
     async def run() -> None:
         a, to_b, b_primary, b, store, upstream = await backup_behind_a_slow_disk(tmp_path)
-        first, second = await publish_twice_while_writing(a, to_b, b_primary, b, store)
+        first, second = await publish_while_writing(a, to_b, b_primary, b, store)
         await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == second)
         store.close()
         acked = [offset for offset, _synced in upstream.acks]
         assert first in acked, acked
+        assert all(acked <= synced for acked, synced in upstream.acks), upstream.acks
+
+    asyncio.run(run())
+
+
+def test_acks_whose_records_go_in_one_write_go_as_one(tmp_path: Path) -> None:
+    """While a write is under way, the records that come wait for the next one, and so do
+    their acks: the newest of them goes once that write is done, the others not at all."""
+
+    async def run() -> None:
+        a, to_b, b_primary, b, store, upstream = await backup_behind_a_slow_disk(tmp_path)
+        first, second, third = await publish_while_writing(a, to_b, b_primary, b, store, 3)
+        await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == third)
+        store.close()
+        acked = [offset for offset, _synced in upstream.acks]
+        assert first in acked and second not in acked, acked
         assert all(acked <= synced for acked, synced in upstream.acks), upstream.acks
 
     asyncio.run(run())
