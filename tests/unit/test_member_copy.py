@@ -6,6 +6,7 @@ reader. The follower's connection is a recording writer; everything else is real
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -296,6 +297,37 @@ def test_acks_whose_records_go_in_one_write_go_as_one(tmp_path: Path) -> None:
         acked = [offset for offset, _synced in upstream.acks]
         assert first in acked and second not in acked, acked
         assert all(acked <= synced for acked, synced in upstream.acks), upstream.acks
+
+    asyncio.run(run())
+
+
+def test_shipping_taking_and_acking_leave_nothing_for_the_cycle_collector(
+    tmp_path: Path,
+) -> None:
+    """What a primary ships and a backup takes, writes and acks is freed as soon as it is
+    done with, by reference counting. A node freezes what survives a full collection
+    (collector.py), and full collections are rare with millions of messages queued: a batch
+    that held its ack's callback, which held the batch, lived on with every record it wrote,
+    a backup under load grew by 30 MB a second, and zeroing its new pages took a fifth of
+    its CPU (issue 16)."""
+
+    async def run() -> None:
+        a, to_b, b_primary, b, store, upstream = await backup_behind_a_slow_disk(tmp_path)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(5):
+                ends = await publish_while_writing(a, to_b, b_primary, b, store, 3)
+                await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == ends[-1])
+            gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept, to be named
+            gc.collect()
+            left = sorted({type(o).__name__ for o in gc.garbage})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        store.close()
+        assert left == [], left
 
     asyncio.run(run())
 

@@ -140,7 +140,7 @@ class _Ack:
 
     __slots__ = ("dest", "msg", "point")
 
-    def __init__(self, dest: str, msg: core.Ack, point: object) -> None:
+    def __init__(self, dest: str, msg: core.Ack, point: int) -> None:
         self.dest, self.msg, self.point = dest, msg, point
 
 
@@ -510,7 +510,7 @@ class Member:
             self._write(dest, wire.encode(msg, self._takes(dest)))
             return
         ack = self.ack
-        if ack is not None and ack.point is point:
+        if ack is not None and ack.point == point:
             ack.dest, ack.msg = dest, msg
             return
         self.ack = ack = _Ack(dest, msg, point)

@@ -165,13 +165,15 @@ class _Batch:
         "deletes",
         "epochs",
         "generation",
+        "number",
         "size",
         "spares",
         "through",
     )
 
-    def __init__(self, generation: int = 0) -> None:
+    def __init__(self, generation: int = 0, number: int = 0) -> None:
         self.generation = generation  # the log it belongs to (a reset starts another)
+        self.number = number  # batches are numbered in the order they are made (`sync_point`)
         self.chunks: list[tuple[int, Chunk]] = []  # (segment, a frame or a part of one)
         self.size = 0  # bytes of the chunks appended (`_append`)
         self.callbacks: list[Callable[[], None]] = []
@@ -644,15 +646,17 @@ class Store:
             self.pending.epochs.clear()
             self._rewrite_epochs(boundaries)
 
-    def sync_point(self) -> object | None:
-        """What `when_synced` would wait for now: the batch being filled, or the one being
-        written, or None when everything handed is on disk. Two calls that return the same
-        object are answered by the same write."""
+    def sync_point(self) -> int | None:
+        """What `when_synced` would wait for now: the number of the batch being filled, or
+        of the one being written, or None when everything handed is on disk. Two calls that
+        return the same number are answered by the same write. A number, not the batch: a
+        callback that held its batch made a cycle that kept the batch's records after its
+        write, until a full collection (collector.py)."""
         if self.pending.chunks:
-            return self.pending
+            return self.pending.number
         inflight = self.inflight
         if inflight is not None and inflight.chunks:
-            return inflight
+            return inflight.number
         return None
 
     def when_synced(self, callback: Callable[[], None]) -> None:
@@ -905,7 +909,7 @@ class Store:
         if self.lazy is not None:
             self.lazy.cancel()
             self.lazy = None
-        batch, self.pending = pending, _Batch(self.generation)
+        batch, self.pending = pending, _Batch(self.generation, pending.number + 1)
         batch.through = self.handed
         self.inflight = batch
         if self._small(batch):
