@@ -6,6 +6,7 @@ reader. The follower's connection is a recording writer; everything else is real
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -230,6 +231,11 @@ async def backup_behind_a_slow_disk(
     return a, to_b, b_primary, b, store, upstream
 
 
+def last_ack_is(upstream: Primary, offset: int) -> bool:
+    """Whether the last ack the backup sent `upstream` acks `offset`."""
+    return bool(upstream.acks) and upstream.acks[-1][0] == offset
+
+
 async def publish_while_writing(
     a: member.Member,
     to_b: Follower,
@@ -261,7 +267,7 @@ def test_a_backup_acks_records_only_once_they_are_on_its_disk(tmp_path: Path) ->
     async def run() -> None:
         a, to_b, b_primary, b, store, upstream = await backup_behind_a_slow_disk(tmp_path)
         await publish_while_writing(a, to_b, b_primary, b, store)
-        await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == b.log.end)
+        await until(functools.partial(last_ack_is, upstream, b.log.end))
         store.close()
         assert all(acked <= synced for acked, synced in upstream.acks), upstream.acks
 
@@ -276,7 +282,7 @@ def test_each_write_done_sends_the_ack_of_what_it_wrote(tmp_path: Path) -> None:
     async def run() -> None:
         a, to_b, b_primary, b, store, upstream = await backup_behind_a_slow_disk(tmp_path)
         first, second = await publish_while_writing(a, to_b, b_primary, b, store)
-        await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == second)
+        await until(functools.partial(last_ack_is, upstream, second))
         store.close()
         acked = [offset for offset, _synced in upstream.acks]
         assert first in acked, acked
@@ -292,7 +298,7 @@ def test_acks_whose_records_go_in_one_write_go_as_one(tmp_path: Path) -> None:
     async def run() -> None:
         a, to_b, b_primary, b, store, upstream = await backup_behind_a_slow_disk(tmp_path)
         first, second, third = await publish_while_writing(a, to_b, b_primary, b, store, 3)
-        await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == third)
+        await until(functools.partial(last_ack_is, upstream, third))
         store.close()
         acked = [offset for offset, _synced in upstream.acks]
         assert first in acked and second not in acked, acked
@@ -318,7 +324,7 @@ def test_shipping_taking_and_acking_leave_nothing_for_the_cycle_collector(
         try:
             for _ in range(5):
                 ends = await publish_while_writing(a, to_b, b_primary, b, store, 3)
-                await until(lambda: bool(upstream.acks) and upstream.acks[-1][0] == ends[-1])
+                await until(functools.partial(last_ack_is, upstream, ends[-1]))
             gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept, to be named
             gc.collect()
             left = sorted({type(o).__name__ for o in gc.garbage})
