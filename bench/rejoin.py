@@ -13,7 +13,9 @@ replicated.py. Issue 16 asks for 2 s.
 
 Throughout, the primary's `/status` (what the controller polls) is asked every 0.1 s, and
 the slowest answer during the fill and during the kills is printed: an answer later than
-the failover delay (1 s) fails a live primary over.
+the failover delay (1 s) fails a live primary over. Each member's RSS after the fill and
+after the kills is printed too: a member that grows while the primary does not holds what
+it should have let go (a backup that kept every batch it wrote grew by 30 MB a second).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import urllib.request
 
 import alone
 from clusters import ROOT, TandemCluster
+from firehose import rss_mb
 
 POLL = 0.05  # seconds between looks at /cluster
 LIMIT = 120.0  # a kill not back by then counts as this
@@ -87,6 +90,20 @@ class Answers(threading.Thread):
         return worst
 
 
+def memory(cluster: TandemCluster, before: dict[str, int] | None = None) -> dict[str, int]:
+    """Each member's RSS, printed; its pid, returned. A member whose pid is not the one in
+    `before` was restarted since."""
+    pids = {}
+    said = []
+    for m in cluster.state()["members"]:
+        pids[m["node"]] = pid = m["pid"]
+        restarted = ", restarted" if before and before.get(m["node"]) != pid else ""
+        with contextlib.suppress(OSError):  # gone meanwhile
+            said.append(f"{m['node']} ({m['role']}{restarted}) {rss_mb(pid):,.0f} MB")
+    print("    RSS: " + ", ".join(said))
+    return pids
+
+
 def run(name: str, env: dict[str, str] | None, count: int, kills: int) -> list[float]:
     cluster = TandemCluster(3, env)
     url = cluster.urls[0].removesuffix("/%2F")
@@ -102,6 +119,7 @@ def run(name: str, env: dict[str, str] | None, count: int, kills: int) -> list[f
             stdout=subprocess.DEVNULL,
         )
         print(f"  {name:14} fill: the primary's slowest answer {answers.slowest():.2f} s")
+        pids = memory(cluster)
         load = subprocess.Popen(
             ["node", "bench/firehose.js", url, "quorum", "10000000", "1"],
             cwd=ROOT,
@@ -116,6 +134,7 @@ def run(name: str, env: dict[str, str] | None, count: int, kills: int) -> list[f
             changed = "" if after == before else f", failed over (epoch {before} -> {after})"
             print(f"  {name:14} kill {k + 1}: back in the ISR after {back:.2f} s{changed}")
         print(f"  {name:14} kills: the primary's slowest answer {answers.slowest():.2f} s")
+        memory(cluster, pids)
         failed = False
         return times
     finally:
