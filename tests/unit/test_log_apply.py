@@ -3,10 +3,8 @@ node that recovers from its durable records, hold what the primary holds. Pure, 
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -552,35 +550,6 @@ def test_a_record_that_cannot_apply_is_named_and_the_backup_asks_for_a_copy() ->
     assert [(e, o) for e, o, _what in log.not_applied] == [(1, 1)]
     assert "enqueue" in log.not_applied[0][2] and not log.whole
     assert "q" in b.vhost("/").queues and log.end == 2
-
-
-def test_a_record_of_a_difference_that_cannot_apply_is_set_aside_and_the_rest_taken(
-    tmp_path: Path,
-) -> None:
-    """A durable ENQUEUE in a copy that cannot be read is written as it came and set aside,
-    as one shipped would be; the member takes the rest and asks for a copy again (its store's
-    key for the record was read apart from it, and such a record raised out of the install)."""
-    from tandem.broker.replication.log import DIFF, BrokerLog
-    from tandem.broker.store.log import Store
-
-    seq = Sequencer()
-    b = Broker(seq)
-    b.add_vhost("/")
-    store = Store(tmp_path, fsync=False)
-    seq.disk = store
-    loop = asyncio.new_event_loop()
-    try:
-        store.open(b, seq, loop)
-        log = BrokerLog(b, seq, store)
-        bad = records.frame(records.ENQUEUE, 1, 1, b"\x00\x01/", durable=True)
-        good = records.frame(records.DEFINE, 1, 2, declare_record("q"), durable=True)
-        head = records.frame(records.DEFINE, 1, 2, DIFF, False)
-        log.install(((1, 1),), 2, [head, bad, good])
-        assert [(e, o) for e, o, _what in log.not_applied] == [(1, 1)]
-        assert not log.whole and "q" in b.vhost("/").queues
-    finally:
-        store.close()
-        loop.close()
 
 
 @given(

@@ -529,7 +529,13 @@ class BrokerLog:
             rtype, epoch, offset, durable = records.head(data)
             payload = records.payload(data)
             if rtype == records.DEQUEUE:
-                vhost, queue, mid = key = records.read_key(payload)
+                try:
+                    vhost, queue, mid = key = records.read_key(payload)
+                except Exception as exc:  # not a record of ours: as `_take_message` does
+                    if durable and store is not None:
+                        store.write(rtype, offset, data, None)
+                    self._not_applied(epoch, offset, rtype, payload, exc)
+                    continue
                 gone.setdefault((vhost, queue), []).append(mid)
                 if durable and store is not None:
                     unstored.append((offset, data, key))
