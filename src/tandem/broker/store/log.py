@@ -646,28 +646,34 @@ class Store:
             self.pending.epochs.clear()
             self._rewrite_epochs(boundaries)
 
-    def sync_point(self) -> int | None:
-        """What `when_synced` would wait for now: the number of the batch being filled, or
-        of the one being written, or None when everything handed is on disk. Two calls that
-        return the same number are answered by the same write. A number, not the batch: a
-        callback that held its batch made a cycle that kept the batch's records after its
-        write, until a full collection (collector.py)."""
+    def _unsynced(self) -> _Batch | None:
+        """The batch whose write puts everything handed so far on disk: the one being
+        filled, or the one being written; None when it is all there."""
         if self.pending.chunks:
-            return self.pending.number
+            return self.pending
         inflight = self.inflight
         if inflight is not None and inflight.chunks:
-            return inflight.number
+            return inflight
         return None
+
+    def sync_point(self) -> int | None:
+        """What `when_synced` would wait for now, by the batch's number; None when
+        everything handed is on disk. Two calls that return the same number are answered by
+        the same write. A number, not the batch: a callback that held its batch made a cycle
+        that kept the batch's records after its write, until a full collection
+        (collector.py)."""
+        batch = self._unsynced()
+        return None if batch is None else batch.number
 
     def when_synced(self, callback: Callable[[], None]) -> None:
         """Call back once everything handed so far is on disk."""
-        if self.pending.chunks:
-            self.pending.callbacks.append(callback)
-            self._schedule()  # written this turn, not lazily
-        elif self.inflight is not None and self.inflight.chunks:
-            self.inflight.callbacks.append(callback)
-        else:
+        batch = self._unsynced()
+        if batch is None:
             callback()
+            return
+        batch.callbacks.append(callback)
+        if batch is self.pending:
+            self._schedule()  # written this turn, not lazily
 
     # -- appending and the writer --
 
