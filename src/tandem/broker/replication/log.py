@@ -361,10 +361,8 @@ class BrokerLog:
                 key: tuple[str, str, int] = fields[:3]
             else:
                 key = records.read_key(payload)
-        except Exception as exc:  # not a record of ours: written as it came, set aside
-            if durable and self.store is not None:
-                self.store.write(rtype, offset, data, None)
-            self._not_applied(epoch, offset, rtype, payload, exc)
+        except Exception as exc:
+            self._not_read(data, rtype, epoch, offset, durable, exc)
             return
         # An enqueue is stored first (the queue may leave the message in the log at once); a
         # dequeue after it applied (a paged message is read back first, and the store then
@@ -385,6 +383,15 @@ class BrokerLog:
             self._not_applied(epoch, offset, rtype, payload, exc)
         if store is not None and rtype == records.DEQUEUE:
             store.write(rtype, offset, data, key)
+
+    def _not_read(
+        self, data: bytes, rtype: int, epoch: int, offset: int, durable: bool, exc: Exception
+    ) -> None:
+        """A message record that cannot be read, not a record of ours: written as it came,
+        and set aside."""
+        if durable and self.store is not None:
+            self.store.write(rtype, offset, data, None)
+        self._not_applied(epoch, offset, rtype, records.payload(data), exc)
 
     def _take_other(self, data: bytes, rtype: int, epoch: int, offset: int, durable: bool) -> None:
         payload = records.payload(data)
@@ -527,14 +534,11 @@ class BrokerLog:
         store = self.store
         for data in frames:
             rtype, epoch, offset, durable = records.head(data)
-            payload = records.payload(data)
             if rtype == records.DEQUEUE:
                 try:
-                    vhost, queue, mid = key = records.read_key(payload)
-                except Exception as exc:  # not a record of ours: as `_take_message` does
-                    if durable and store is not None:
-                        store.write(rtype, offset, data, None)
-                    self._not_applied(epoch, offset, rtype, payload, exc)
+                    vhost, queue, mid = key = records.read_key(records.payload(data))
+                except Exception as exc:
+                    self._not_read(data, rtype, epoch, offset, durable, exc)
                     continue
                 gone.setdefault((vhost, queue), []).append(mid)
                 if durable and store is not None:
@@ -546,7 +550,7 @@ class BrokerLog:
                 continue
             if durable and store is not None:
                 store.write(rtype, offset, data, None)
-            self._apply(epoch, offset, rtype, payload)
+            self._apply(epoch, offset, rtype, records.payload(data))
         self._dequeue_many(gone, unstored)
 
     def _dequeue_many(
@@ -744,7 +748,7 @@ class Copy:
                     data = records.frame(records.ENQUEUE, e, o, payload, durable)
                 out.append(data)
             if m.redelivered or m.mid in outstanding:
-                key = records.key(vhost, queue, m.mid)
+                key = records.key_at(where, m.mid)
                 out.append(records.frame(records.MARK, e, o, key, False))
 
     def _dequeue_frames(
