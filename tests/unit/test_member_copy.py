@@ -19,8 +19,8 @@ from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.message import Message
 from tandem.broker.replication import core, member, wire
+from tandem.broker.replication import log as log_mod
 from tandem.broker.replication.link import Link
-from tandem.broker.replication.log import DIFF, BrokerLog
 from tandem.broker.store.log import Store
 from tandem.ha.model import ElectionRecord
 
@@ -207,6 +207,16 @@ class Primary(Transport):
             self.acks.append((msg.offset, self.store.synced))
 
 
+def opened(tmp_path: Path, loop: asyncio.AbstractEventLoop) -> tuple[log_mod.BrokerLog, Store]:
+    """A member's log over a store on disk in `tmp_path`, opened (recovered) on `loop`."""
+    seq = Sequencer()
+    broker = Broker(seq)
+    store = Store(tmp_path, fsync=False)
+    seq.disk = store
+    store.open(broker, seq, loop)
+    return log_mod.BrokerLog(broker, seq, store), store
+
+
 async def backup_behind_a_slow_disk(
     tmp_path: Path,
 ) -> tuple[member.Member, Follower, Broker, member.Member, Store, Primary]:
@@ -214,11 +224,8 @@ async def backup_behind_a_slow_disk(
     and acked, whose batches go to the writer's thread (held by taking `store.lock`), and
     b's end of its link to `a`, which records b's acks."""
     a, to_b, b_primary = primary_with_follower()
-    seq = Sequencer()
-    broker = Broker(seq)
-    store = Store(tmp_path, fsync=False)
-    seq.disk = store
-    store.open(broker, seq, asyncio.get_running_loop())
+    opened_log, store = opened(tmp_path, asyncio.get_running_loop())
+    broker, seq = opened_log.broker, opened_log.sequencer
     b = member.Member("b", broker, seq, store, Hooks(), key=b"k" * 16, data_dir=None, isr_min=1)
     b.loop = asyncio.get_running_loop()
     upstream = Primary(store)
@@ -349,20 +356,15 @@ def test_records_of_a_difference_that_cannot_be_read_are_set_aside_and_the_rest_
     set aside, as one shipped would be; the member takes the rest and asks for a copy again.
     Such a record raised out of the install (its key for the store was read outside the
     record's own failure)."""
-    seq = Sequencer()
-    b = Broker(seq)
-    b.add_vhost("/")
-    store = Store(tmp_path, fsync=False)
-    seq.disk = store
     loop = asyncio.new_event_loop()
+    log, store = opened(tmp_path, loop)
+    b = log.broker
     try:
-        store.open(b, seq, loop)
-        log = BrokerLog(b, seq, store)
         bad = records.frame(records.ENQUEUE, 1, 1, b"\x00\x01/", durable=True)
         declare = records.define("/", "queue.declare", QUEUE_Q)
         good = records.frame(records.DEFINE, 1, 2, declare, durable=True)
         gone = records.frame(records.DEQUEUE, 1, 3, b"\x00\x01/", durable=True)
-        head = records.frame(records.DEFINE, 1, 3, DIFF, False)
+        head = records.frame(records.DEFINE, 1, 3, log_mod.DIFF, False)
         log.install(((1, 1),), 3, [head, bad, good, gone])
         assert [(e, o) for e, o, _what in log.not_applied] == [(1, 1), (1, 3)]
         assert not log.whole and "q" in b.vhost("/").queues
@@ -445,34 +447,26 @@ def test_a_member_that_was_taking_a_copy_says_its_ids_after_a_restart(tmp_path: 
     recovers up to that end holding only part of it: it must say its ids, not its log's end
     (`BrokerLog.digest`, brief). The store is marked while the copy is written, until it is
     on disk."""
-    from tandem.broker.replication import log as log_mod
 
     async def run() -> None:
         a, _to_b, _b = primary_with_follower()
         copy = a.log.snapshot()
         assert copy is not None
+        loop = asyncio.get_running_loop()
 
-        def opened() -> tuple[log_mod.BrokerLog, Store]:
-            seq = Sequencer()
-            broker = Broker(seq)
-            store = Store(tmp_path, fsync=False)
-            seq.disk = store
-            store.open(broker, seq, asyncio.get_running_loop())
-            return log_mod.BrokerLog(broker, seq, store), store
-
-        member_log, store = opened()
+        member_log, store = opened(tmp_path, loop)
         marker = store.dir / log_mod.COPYING
         member_log.install(a.log.boundaries(), a.log.end, copy.frames())
         assert marker.exists()
         await until(lambda: not marker.exists())  # the copy is on disk
         assert store.synced >= a.log.end
         store.close()
-        member_log, store = opened()  # a restart that lost nothing else
+        member_log, store = opened(tmp_path, loop)  # a restart that lost nothing else
         assert member_log.end == a.log.end
         assert member_log.digest(brief=True) == [log_mod.RESTARTED, a.log.end]
         store.close()
         marker.touch()  # as a kill while the copy was written leaves it
-        member_log, store = opened()
+        member_log, store = opened(tmp_path, loop)
         assert member_log.end == a.log.end and not member_log.whole
         assert isinstance(member_log.digest(brief=True), dict)  # its ids
         store.close()
