@@ -805,11 +805,7 @@ class Restarted:
     brief): the durable DEQUEUE records it took since, read on the copy's thread."""
 
     def __init__(
-        self,
-        end: int,
-        dequeues: list[bytes],
-        enqueues: list[bytes],
-        since: Sequence[bytes] = (),
+        self, end: int, dequeues: list[bytes], enqueues: list[bytes], since: Sequence[bytes]
     ) -> None:
         self.end = end
         self.dequeues = dequeues
