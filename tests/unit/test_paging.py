@@ -1217,3 +1217,14 @@ def test_a_requeued_mark_of_a_paged_message_is_carried_forward(tmp_path: Path) -
     on_disk(store)
     written = (tmp_path / "log" / f"{store.active:020d}.seg").read_bytes()[before:]
     assert keyed(records.MARK, 3, offset=4) in written
+
+
+def test_the_extents_of_records_across_segments_out_of_order_hold_every_record() -> None:
+    """A head's places rise within a segment but not across them once compaction carried a
+    few forward: each segment's extent covers all its records, however they interleave."""
+    places = [(1, 100, 20), (1, 120, 20), (3, 0, 30), (1, 140, 10), (2, 50, 5), (3, 40, 8)]
+    places += [(1, 10, 5), (2, 0, 10)]
+    ats = [(seg << log_mod.AT_BITS) | pos for seg, pos, _n in places]
+    extents, segs = log_mod._spans(ats, [n for _s, _p, n in places])
+    assert extents == [(1, 10, 150), (2, 0, 55), (3, 0, 48)]
+    assert segs == {1: 4, 2: 2, 3: 2}
