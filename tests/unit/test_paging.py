@@ -1228,3 +1228,65 @@ def test_the_extents_of_records_across_segments_out_of_order_hold_every_record()
     extents, segs = log_mod._spans(ats, [n for _s, _p, n in places])
     assert extents == [(1, 10, 150), (2, 0, 55), (3, 0, 48)]
     assert segs == {1: 4, 2: 2, 3: 2}
+
+
+def large(mid: int, queue: str = "q") -> bytes:
+    """An ENQUEUE of 100 KB: three fill a checkpoint's page of a head (PAGE_BYTES)."""
+    body = str(mid).encode().rjust(100_000)
+    route = b"\x00" + bytes([len(queue)]) + queue.encode()
+    m = Message("", queue, route, PERSISTENT, body, len(body))
+    m.mid = records.mid(1, mid)
+    return records.frame(records.ENQUEUE, 1, mid, records.enqueue("/", queue, m))
+
+
+def consumed(store: Store, broker: Broker, mids: list[int], offset: int) -> None:
+    """Messages taken off the head of queue q and acked: the model's change and its records."""
+    apply.dequeue_many(broker, {("/", "q"): [records.mid(1, mid) for mid in mids]})
+    for at, mid in enumerate(mids, start=offset):
+        written(store, records.DEQUEUE, "q", mid, at)
+
+
+def test_a_checkpoint_names_the_pages_of_a_head_that_still_holds_them_as_it_named_them(
+    tmp_path: Path,
+) -> None:
+    """A FIFO queue's head changes at its ends between two checkpoints: the pages between
+    are named as the last one named them, not made again message by message, and the
+    messages taken off the first page and those added after the last come back right."""
+    write_log(tmp_path, declare(), *(large(i) for i in range(1, 13)))
+    store, broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=1000)
+    checkpointed(store)
+    before = store.named_heads[("/", "q")][1]
+    assert [page.mids for page in before] == [
+        [records.mid(1, i) for i in range(first, first + 3)] for first in (1, 4, 7, 10)
+    ]
+    consumed(store, broker, [1, 2], offset=20)
+    written(store, records.ENQUEUE, "q", 13, 22)  # in the index only: named one by one
+    checkpointed(store)
+    after = store.named_heads[("/", "q")][1]
+    assert after[0].mids == [records.mid(1, 3)]
+    assert all(a is b for a, b in zip(after[1:], before[1:], strict=True))
+    store.close()
+    _store, broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=1000)
+    assert held(broker) == {"q": list(range(3, 14))}
+
+
+def test_pages_of_a_head_whose_records_compaction_moved_are_named_anew(tmp_path: Path) -> None:
+    """Compaction wrote the head's records again in the active segment and deleted the old
+    one: pages named as the last checkpoint named them would send a start to a segment that
+    is gone, and it would lose them."""
+    seg = write_log(tmp_path, declare(), *(large(i) for i in range(1, 7)))
+    store, _broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=1000)
+    checkpointed(store)
+    before = store.named_heads[("/", "q")][1]
+    store._roll()
+    good, moved = store._carry_forward(1, seg.read_bytes())
+    assert moved == 6 and good == seg.stat().st_size
+    store._carried(1)
+    checkpointed(store)
+    assert not seg.exists()
+    after = store.named_heads[("/", "q")][1]
+    assert [page.mids for page in after] == [page.mids for page in before]
+    assert not any(a is b for a, b in zip(after, before, strict=True))
+    store.close()
+    _store, broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=1000)
+    assert held(broker) == {"q": [1, 2, 3, 4, 5, 6]}

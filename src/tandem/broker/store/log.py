@@ -63,6 +63,7 @@ import bisect
 import collections
 import contextlib
 import gc
+import itertools
 import json
 import logging
 import os
@@ -283,6 +284,11 @@ class Store:
         # token in the names of those it writes (a restart numbers checkpoints from 1 again).
         self.section_parts: dict[tuple[str, str], str] = {}
         self.parts_on_disk: set[str] = set()
+        # The pages the last checkpoint named each queue's head by, with how many times
+        # compaction had moved the queue's records then (`moved`): the next one names the
+        # pages whose messages the head still holds as they were, without a pass over them.
+        self.named_heads: dict[tuple[str, str], tuple[int, list[_Named]]] = {}
+        self.moved: dict[tuple[str, str], int] = {}
         self.token = os.urandom(8).hex()
         # At a start: each queue the checkpoint named by a part file, as (its reference, the
         # file, the messages it names), and the queues the records replayed after it name.
@@ -377,6 +383,7 @@ class Store:
         for name in queues:
             self.changed[name] = self.since_checkpoint
         for vhost, queue in queues:
+            self.named_heads.pop((vhost, queue), None)
             index = self.where.drop(vhost, queue)
             if index is not None:
                 for shard in index.dicts():
@@ -625,6 +632,7 @@ class Store:
         self.settle_once = self.early = False
         self.sections.clear()
         self.section_parts.clear()
+        self.named_heads.clear()
         self.changed.clear()
         self.where.clear()
         self.pages.clear()
@@ -891,6 +899,7 @@ class Store:
             if at is None or at >> AT_BITS != seg:
                 continue
             self.where[key] = (self.active << AT_BITS) | self.active_size
+            self.moved[(vhost, queue)] = self.moved.get((vhost, queue), 0) + 1
             self.segments[self.active] += 1
             self.enqueued[self.active] += 1
             self._change(key)
@@ -1219,6 +1228,11 @@ class Store:
             # Each is the queue's part as it was at the capture; one that changed since is
             # in `changed`, and the next capture drops it. A log reset since names nothing.
             if newest and generation == self.generation:
+                # The heads named now, and those of the queues named by their parts (the
+                # sections that the capture kept): the others' pages are of no use now.
+                for key in self.named_heads.keys() - made.heads.keys() - self.sections.keys():
+                    del self.named_heads[key]
+                self.named_heads.update(made.heads)
                 self.sections.update(made.sections)
                 self.section_parts.update(made.parts)
         if newest and self.since_checkpoint >= self.checkpoint_due and not self.closed:
@@ -1356,11 +1370,16 @@ class Store:
         # The heads of the queues that page, as they are now: the writer's thread names them
         # as pages of the log, so that a start reads none of them (`_head_pages`).
         heads = []
+        named: dict[tuple[str, str], tuple[int, list[_Named]]] = {}
         if self.page_bytes:
             for vh in self.broker.vhosts.values():
                 for q in vh.queues.values():
-                    if q.pageable and q.messages and (vh.name, q.name) not in reused:
-                        heads.append(((vh.name, q.name), list(q.messages)))
+                    key = (vh.name, q.name)
+                    if q.pageable and q.messages and key not in reused:
+                        heads.append((key, list(q.messages)))
+                        moved = self.moved.get(key, 0)
+                        last = self.named_heads.get(key)
+                        named[key] = (moved, last[1] if last and last[0] == moved else [])
         # The entries of each queue not named by its part of the last checkpoint, in a copy
         # of each of its dicts. An emptied queue's index goes: its next message makes one.
         where: dict[tuple[str, str], list[dict[int, int]]] = {}
@@ -1369,7 +1388,7 @@ class Store:
                 del self.where.queues[key]
             elif key not in reused:
                 where[key] = [dict(shard) for shard in index.dicts()]
-        return _Captured(head, where, pages, heads, reused, parts)
+        return _Captured(head, where, pages, heads, reused, parts, named)
 
     def _write_checkpoint(self, state: _Captured, number: int, generation: int) -> _Made | None:
         """Write the checkpoint, and return each queue's part of it; None when it is not
@@ -2023,6 +2042,9 @@ class _Captured:
     # The queues that did not change since an earlier checkpoint: named by their part of it.
     reused: dict[tuple[str, str], bytes] = field(default_factory=dict)
     parts: set[str] = field(default_factory=set)  # the part files of the queues reused
+    # Each head's pages of the last checkpoint that named it, if compaction has not moved
+    # its records since, with how many times it has (`Store.named_heads`).
+    named: dict[tuple[str, str], tuple[int, list[_Named]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -2034,6 +2056,19 @@ class _Made:
     sections: dict[tuple[str, str], bytes] = field(default_factory=dict)
     parts: dict[tuple[str, str], str] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
+    heads: dict[tuple[str, str], tuple[int, list[_Named]]] = field(default_factory=dict)
+
+
+class _Named:
+    """A page of a queue's head as a checkpoint named it: its ids, rising, and its JSON.
+    The next checkpoint names it with the same JSON while the head holds exactly those
+    messages one after the other, where they were (`_head_run`)."""
+
+    __slots__ = ("mids", "text")
+
+    def __init__(self, mids: list[int], text: bytes) -> None:
+        self.mids = mids
+        self.text = text
 
 
 TMP_SUFFIX: Final = ".tmp"  # a checkpoint being written: checkpoint.<number>.tmp
@@ -2081,25 +2116,37 @@ def _checkpoint_bytes(state: _Captured, made: _Made, prefix: str) -> bytes:
     PART_BYTES or more into a file of its own, named `prefix` and a number, which the
     checkpoint names; a queue in `state.reused` is named by the part it had."""
     by_queue, head_places = _split_where(state)
-    runs = _head_runs(state, head_places)
+    heads = dict(state.heads)
+    runs = {
+        key: _head_run(key, msgs, head_places[key], state.named.get(key, (0, []))[1])
+        for key, msgs in state.heads
+    }
     # No head page's range holds an id named one by one, nor one of a page read back.
     read_back: dict[tuple[str, str], list[int]] = {}
     for key, _pages, only in state.pages:
         if key in runs:
             read_back.setdefault(key, []).extend(mid for page in only for mid in page)
     paged: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]] = []
-    for key, run in runs.items():
+    for key, pieces in runs.items():
         left = head_places[key]  # named one by one, as a page's messages are (`only`)
         cuts = sorted([*left, *read_back.get(key, [])])
         give_way(len(cuts))
-        paged.append((key, _head_pages(run, cuts), [left]))
+        if _cut_inside(pieces, cuts):  # a message requeued into a page's range: all anew
+            left = head_places[key] = _merged(state.where.get(key, []))
+            pieces = _head_run(key, heads[key], left, [])
+            cuts = sorted([*left, *read_back.get(key, [])])
+        named = _head_pages(pieces, cuts)
+        made.heads[key] = (state.named.get(key, (0, []))[0], named)
+        paged.append((key, named, [left]))
     pages: dict[tuple[str, str], list[Any]] = {}
     seen = 0
     for key, key_pages, only in [*state.pages, *paged]:
         # A page's ids (a cluster member's) as [epoch, offsets as a C array in base64] pairs.
         pages.setdefault(key, [])
         pages[key] += [
-            [*page[:6], [[e, b"".join(_packed("Q", o)).decode()] for e, o in page[6]]]
+            page
+            if isinstance(page, _Named)
+            else [*page[:6], [[e, b"".join(_packed("Q", o)).decode()] for e, o in page[6]]]
             if page[6] is not None
             else [*page[:6]]
             for page in key_pages
@@ -2171,7 +2218,7 @@ def _split_where(
     state: _Captured,
 ) -> tuple[dict[tuple[str, str], Rows], dict[tuple[str, str], dict[int, int]]]:
     """The where index's messages by queue (the queues that changed): named one by one, or,
-    in a queue that pages, by id with their places, for its head to take (`_head_runs`). It
+    in a queue that pages, by id with their places, for its head to take (`_head_run`). It
     gives way every YIELD_EVERY of them."""
     by_queue: dict[tuple[str, str], Rows] = {}
     head_places: dict[tuple[str, str], dict[int, int]] = {key: {} for key, _m in state.heads}
@@ -2198,6 +2245,15 @@ def _split_where(
     return by_queue, head_places
 
 
+def _merged(shards: list[dict[int, int]]) -> dict[int, int]:
+    """A queue's index captured in shards, as one dict."""
+    out: dict[int, int] = {}
+    for shard in shards:
+        out.update(shard)
+        give_way(len(shard))
+    return out
+
+
 def _dumped(pages: list[Any]) -> list[bytes]:
     """A queue's `pages` as the parts of a JSON array's inside, a page at a time, each
     counted as the messages it holds (see `_checkpoint_bytes`): they carry their ids in
@@ -2207,84 +2263,150 @@ def _dumped(pages: list[Any]) -> list[bytes]:
     for i, page in enumerate(pages):
         if i:
             out.append(b",")
+        if isinstance(page, _Named):  # a head's page, made into JSON as it was named
+            out.append(page.text)
+            continue
         out.append(json.dumps(page, separators=(",", ":")).encode())
         give_way(int(page[0]))
     return out
 
 
-def _head_runs(state: _Captured, places: dict[Any, dict[int, int]]) -> dict[Any, Columns]:
-    """Each queue's head as a checkpoint names it in pages (on the writer's thread): the
-    messages whose ENQUEUE record `places` names (taken from it) and that stay in the log as
+def _head_run(
+    key: tuple[str, str], msgs: list[Message], where: dict[int, int], named: list[_Named]
+) -> list[Columns | _Named]:
+    """A queue's head as a checkpoint names it in pages (on the writer's thread): the
+    messages whose ENQUEUE record `where` names (taken from it) and that stay in the log as
     they are (persistent, no expiration), in the head's order, each with a higher id than the
-    one before (a message requeued out of order is named one by one). The columns grow by a
-    slice of lists at a time: compiled, an array's append is a method call, and three of
-    them were half of the time a message took here."""
-    runs: dict[Any, Columns] = {}
-    for key, msgs in state.heads:
-        place = records.place(*key)
-        mids, ats, lengths, bodies = runs.setdefault(
-            key, ([], array.array("q"), array.array("q"), array.array("q"))
-        )
-        where = places[key]
-        last = -1
-        for start in range(0, len(msgs), YIELD_EVERY):
-            give_way(min(YIELD_EVERY, len(msgs) - start))
-            slice_ats: list[int] = []
-            slice_lengths: list[int] = []
-            slice_bodies: list[int] = []
-            for m in msgs[start : start + YIELD_EVERY]:
-                mid = m.mid
-                if not m.persistent or m.expiration is not None or mid <= last:
-                    continue
-                at = where.pop(mid, None)
-                if at is None:
-                    continue
-                mids.append(mid)
-                slice_ats.append(at)
-                slice_lengths.append(records.enqueue_size(place, m))
-                slice_bodies.append(m.body_size)
-                last = mid
-            ats.fromlist(slice_ats)
-            lengths.fromlist(slice_lengths)
-            bodies.fromlist(slice_bodies)
-    return runs
-
-
-def _head_pages(run: Columns, others: list[int]) -> list[Any]:
-    """A head's run as pages, as `_Captured.pages` has them: cut every PAGE_BYTES of bodies
-    and wherever one of `others` (the queue's ids named one by one, sorted) falls between
-    two of its messages. Each page says exactly which ids it holds (its runs of the log may
-    hold records of messages consumed out of order), and no page's range holds an id it
-    does not: a start puts pages and messages back in id order."""
-    mids, _ats, _lengths, bodies = run
-    entries: list[Any] = []
-    start = size = j = 0
-    give_way(len(mids) % YIELD_EVERY)  # whole slices, below
-    for i in range(len(mids)):
-        if i % YIELD_EVERY == YIELD_EVERY - 1:
+    one before (a message requeued out of order is named one by one). A page of the last
+    checkpoint (`named`) whose messages come next, exactly and in order, is named as it was:
+    compaction has not moved them (`_Captured.named`), and a FIFO queue's head is mostly
+    what it held at the last checkpoint. The rest is in columns, which grow by a slice of
+    lists at a time: compiled, an array's append is a method call."""
+    place = records.place(*key)
+    starts = {page.mids[0]: page for page in named}
+    pieces: list[Columns | _Named] = []
+    mids: list[int] = []
+    ats: list[int] = []
+    lengths: list[int] = []
+    bodies: list[int] = []
+    run: Columns = (mids, array.array("q"), array.array("q"), array.array("q"))
+    last = -1
+    i = count = 0
+    while i < len(msgs):
+        m = msgs[i]
+        mid = m.mid
+        page = starts.get(mid) if starts else None
+        if page is not None and mid > last and _holds(msgs, i, page, where):
+            _grown(run, ats, lengths, bodies)
+            if mids:
+                pieces.append(run)
+                mids = []
+                run = (mids, array.array("q"), array.array("q"), array.array("q"))
+            pieces.append(page)
+            i += len(page.mids)
+            last = page.mids[-1]
+            give_way(len(page.mids))
+            continue
+        i += 1
+        count += 1
+        if count == YIELD_EVERY:
+            _grown(run, ats, lengths, bodies)
             give_way()
-        mid = mids[i]
-        while j < len(others) and others[j] < mid:
-            if i > start and others[j] > mids[i - 1]:
-                entries.append(_page_entry(run, start, i))
-                start, size = i, 0
-            j += 1
-        size += bodies[i]
-        if size >= PAGE_BYTES:
-            entries.append(_page_entry(run, start, i + 1))
-            start, size = i + 1, 0
-    if start < len(mids):
-        entries.append(_page_entry(run, start, len(mids)))
+            count = 0
+        if not m.persistent or m.expiration is not None or mid <= last:
+            continue
+        at = where.pop(mid, None)
+        if at is None:
+            continue
+        mids.append(mid)
+        ats.append(at)
+        lengths.append(records.enqueue_size(place, m))
+        bodies.append(m.body_size)
+        last = mid
+    _grown(run, ats, lengths, bodies)
+    give_way(count)
+    if mids:
+        pieces.append(run)
+    return pieces
+
+
+def _holds(msgs: list[Message], i: int, page: _Named, where: dict[int, int]) -> bool:
+    """Whether the head's messages from `i` on are exactly `page`'s, each still where the
+    page says (in `where`, which gives them up)."""
+    mids = page.mids
+    if [m.mid for m in msgs[i : i + len(mids)]] != mids:
+        return False
+    ats = list(map(where.pop, mids, itertools.repeat(None)))
+    if None in ats:  # not in the index (never so far): named one by one, as the rest are
+        for mid, at in zip(mids, ats, strict=True):
+            if at is not None:
+                where[mid] = at
+        return False
+    return True
+
+
+def _grown(run: Columns, ats: list[int], lengths: list[int], bodies: list[int]) -> None:
+    """Move the lists' values to the run's columns."""
+    run[1].fromlist(ats)
+    run[2].fromlist(lengths)
+    run[3].fromlist(bodies)
+    ats.clear()
+    lengths.clear()
+    bodies.clear()
+
+
+def _cut_inside(pieces: list[Columns | _Named], others: list[int]) -> bool:
+    """Whether one of `others` (sorted) falls inside a named page's range of ids."""
+    for piece in pieces:
+        if isinstance(piece, _Named):
+            at = bisect.bisect_right(others, piece.mids[0])
+            if at < len(others) and others[at] < piece.mids[-1]:
+                return True
+    return False
+
+
+def _head_pages(pieces: list[Columns | _Named], others: list[int]) -> list[_Named]:
+    """A head's pieces as pages (`_page_entry`), a named one as it was: a run's cut every
+    PAGE_BYTES of bodies and wherever one of `others` (the queue's ids named one by one,
+    sorted) falls between two of its messages. Each page says exactly which ids it holds
+    (its runs of the log may hold records of messages consumed out of order), and no page's
+    range holds an id it does not: a start puts pages and messages back in id order."""
+    entries: list[_Named] = []
+    for piece in pieces:
+        if isinstance(piece, _Named):
+            entries.append(piece)
+            continue
+        mids, _ats, _lengths, bodies = piece
+        start = size = j = 0
+        give_way(len(mids) % YIELD_EVERY)  # whole slices, below
+        for i in range(len(mids)):
+            if i % YIELD_EVERY == YIELD_EVERY - 1:
+                give_way()
+            mid = mids[i]
+            while j < len(others) and others[j] < mid:
+                if i > start and others[j] > mids[i - 1]:
+                    entries.append(_page_entry(piece, start, i))
+                    start, size = i, 0
+                j += 1
+            size += bodies[i]
+            if size >= PAGE_BYTES:
+                entries.append(_page_entry(piece, start, i + 1))
+                start, size = i + 1, 0
+        if start < len(mids):
+            entries.append(_page_entry(piece, start, len(mids)))
     return entries
 
 
-def _page_entry(run: Columns, start: int, end: int) -> tuple[Any, ...]:
-    """Messages `start` to `end` of `run` as a page, as `_Captured.pages` has pages: count,
-    body bytes, first and last ids, extents, records per segment, ids (a run's ids rise)."""
+def _page_entry(run: Columns, start: int, end: int) -> _Named:
+    """Messages `start` to `end` of `run` as a page, as a checkpoint names it: count, body
+    bytes, first and last ids, extents, records per segment, and its ids (a run's rise) as
+    [epoch, offsets as a C array in base64] pairs."""
     mids, ats, lengths, bodies = run
     extents, segs = _spans(list(ats[start:end]), list(lengths[start:end]))
     ids = mids[start:end]
-    return (end - start, sum(bodies[start:end]), ids[0], ids[-1], extents, segs, pack_ids(ids))
+    packed = [[e, b"".join(_packed("Q", o)).decode()] for e, o in pack_ids(ids)]
+    entry = [end - start, sum(bodies[start:end]), ids[0], ids[-1], extents, segs, packed]
+    return _Named(ids, json.dumps(entry, separators=(",", ":")).encode())
 
 
 def _only(page: Page) -> dict[int, int]:
