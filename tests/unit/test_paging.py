@@ -4,8 +4,10 @@ queue's first stays in the log, a page of its own)."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import errno
+import json
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -1255,14 +1257,14 @@ def test_a_checkpoint_names_the_pages_of_a_head_that_still_holds_them_as_it_name
     write_log(tmp_path, declare(), *(large(i) for i in range(1, 13)))
     store, broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=1000)
     checkpointed(store)
-    before = store.named_heads[("/", "q")][1]
+    before = store.named_heads[("/", "q")]
     assert [page.mids for page in before] == [
         [records.mid(1, i) for i in range(first, first + 3)] for first in (1, 4, 7, 10)
     ]
     consumed(store, broker, [1, 2], offset=20)
     written(store, records.ENQUEUE, "q", 13, 22)  # in the index only: named one by one
     checkpointed(store)
-    after = store.named_heads[("/", "q")][1]
+    after = store.named_heads[("/", "q")]
     assert after[0].mids == [records.mid(1, 3)]
     assert all(a is b for a, b in zip(after[1:], before[1:], strict=True))
     store.close()
@@ -1273,20 +1275,54 @@ def test_a_checkpoint_names_the_pages_of_a_head_that_still_holds_them_as_it_name
 def test_pages_of_a_head_whose_records_compaction_moved_are_named_anew(tmp_path: Path) -> None:
     """Compaction wrote the head's records again in the active segment and deleted the old
     one: pages named as the last checkpoint named them would send a start to a segment that
-    is gone, and it would lose them."""
+    is gone, and it would lose them. A page is named as it was only with every message in
+    the place it names."""
     seg = write_log(tmp_path, declare(), *(large(i) for i in range(1, 7)))
     store, _broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=1000)
     checkpointed(store)
-    before = store.named_heads[("/", "q")][1]
+    before = store.named_heads[("/", "q")]
     store._roll()
     good, moved = store._carry_forward(1, seg.read_bytes())
     assert moved == 6 and good == seg.stat().st_size
     store._carried(1)
     checkpointed(store)
     assert not seg.exists()
-    after = store.named_heads[("/", "q")][1]
+    after = store.named_heads[("/", "q")]
     assert [page.mids for page in after] == [page.mids for page in before]
     assert not any(a is b for a, b in zip(after, before, strict=True))
     store.close()
     _store, broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=1000)
     assert held(broker) == {"q": [1, 2, 3, 4, 5, 6]}
+
+
+def test_a_message_named_alone_in_a_named_pages_range_has_the_head_named_anew() -> None:
+    """Message 4 was not in the head when the last checkpoint named the page of 2, 3, 5 and
+    6; now it is delivered (in the index, not in the head), so it is named alone, and inside
+    that page's range: the page is not named as it was, and no page holds 4 in its range."""
+    key = ("/", "q")
+    place = records.place(*key)
+    msgs = {}
+    for i in range(1, 9):
+        m = Message("", "q", b"\x00\x01q", PERSISTENT, b"x" * 100, 100)
+        m.persistent, m.mid = True, records.mid(1, i)
+        msgs[i] = m
+    where = {records.mid(1, i): (1 << log_mod.AT_BITS) | (200 * i) for i in msgs}
+    ids = [2, 3, 5, 6]
+    run = (
+        [records.mid(1, i) for i in ids],
+        array.array("q", [where[records.mid(1, i)] for i in ids]),
+        array.array("q", [records.enqueue_size(place, msgs[i]) for i in ids]),
+        array.array("q", [100] * len(ids)),
+    )
+    page = log_mod._page_entry(run, 0, len(ids))
+    head = [msgs[i] for i in (1, 2, 3, 5, 6, 7, 8)]
+    state = log_mod._Captured({"epoch": 1}, {key: [where]}, [], [(key, head)], named={key: [page]})
+    made = log_mod._Made()
+    data = log_mod._checkpoint_bytes(state, made, "part-")
+    assert not any(named is page for named in made.heads[key])
+    (queue,) = json.loads(data[len(log_mod.CHECKPOINT_MAGIC) + 4 :])["queues"]
+    alone = [records.mid(1, offset) for offset in log_mod._unpacked("Q", queue["offsets"])]
+    assert alone == [records.mid(1, 4)]
+    ranges = [(entry[2], entry[3]) for entry in queue["pages"]]
+    assert not any(first < alone[0] < last for first, last in ranges)
+    assert sum(entry[0] for entry in queue["pages"]) == 7

@@ -73,7 +73,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from tandem.broker.model import apply, records
 from tandem.broker.model.broker import Broker
@@ -284,11 +284,9 @@ class Store:
         # token in the names of those it writes (a restart numbers checkpoints from 1 again).
         self.section_parts: dict[tuple[str, str], str] = {}
         self.parts_on_disk: set[str] = set()
-        # The pages the last checkpoint named each queue's head by, with how many times
-        # compaction had moved the queue's records then (`moved`): the next one names the
-        # pages whose messages the head still holds as they were, without a pass over them.
-        self.named_heads: dict[tuple[str, str], tuple[int, list[_Named]]] = {}
-        self.moved: dict[tuple[str, str], int] = {}
+        # The pages the last checkpoint named each queue's head by: the next one names
+        # those whose messages the head still holds where they were as they were named.
+        self.named_heads: dict[tuple[str, str], list[_Named]] = {}
         self.token = os.urandom(8).hex()
         # At a start: each queue the checkpoint named by a part file, as (its reference, the
         # file, the messages it names), and the queues the records replayed after it name.
@@ -899,7 +897,6 @@ class Store:
             if at is None or at >> AT_BITS != seg:
                 continue
             self.where[key] = (self.active << AT_BITS) | self.active_size
-            self.moved[(vhost, queue)] = self.moved.get((vhost, queue), 0) + 1
             self.segments[self.active] += 1
             self.enqueued[self.active] += 1
             self._change(key)
@@ -1370,16 +1367,14 @@ class Store:
         # The heads of the queues that page, as they are now: the writer's thread names them
         # as pages of the log, so that a start reads none of them (`_head_pages`).
         heads = []
-        named: dict[tuple[str, str], tuple[int, list[_Named]]] = {}
+        named: dict[tuple[str, str], list[_Named]] = {}
         if self.page_bytes:
             for vh in self.broker.vhosts.values():
                 for q in vh.queues.values():
                     key = (vh.name, q.name)
                     if q.pageable and q.messages and key not in reused:
                         heads.append((key, list(q.messages)))
-                        moved = self.moved.get(key, 0)
-                        last = self.named_heads.get(key)
-                        named[key] = (moved, last[1] if last and last[0] == moved else [])
+                        named[key] = self.named_heads.get(key, [])
         # The entries of each queue not named by its part of the last checkpoint, in a copy
         # of each of its dicts. An emptied queue's index goes: its next message makes one.
         where: dict[tuple[str, str], list[dict[int, int]]] = {}
@@ -2042,9 +2037,8 @@ class _Captured:
     # The queues that did not change since an earlier checkpoint: named by their part of it.
     reused: dict[tuple[str, str], bytes] = field(default_factory=dict)
     parts: set[str] = field(default_factory=set)  # the part files of the queues reused
-    # Each head's pages of the last checkpoint that named it, if compaction has not moved
-    # its records since, with how many times it has (`Store.named_heads`).
-    named: dict[tuple[str, str], tuple[int, list[_Named]]] = field(default_factory=dict)
+    # Each head's pages of the last checkpoint that named it (`Store.named_heads`).
+    named: dict[tuple[str, str], list[_Named]] = field(default_factory=dict)
 
 
 @dataclass
@@ -2056,18 +2050,19 @@ class _Made:
     sections: dict[tuple[str, str], bytes] = field(default_factory=dict)
     parts: dict[tuple[str, str], str] = field(default_factory=dict)
     files: dict[str, bytes] = field(default_factory=dict)
-    heads: dict[tuple[str, str], tuple[int, list[_Named]]] = field(default_factory=dict)
+    heads: dict[tuple[str, str], list[_Named]] = field(default_factory=dict)
 
 
 class _Named:
-    """A page of a queue's head as a checkpoint named it: its ids, rising, and its JSON.
-    The next checkpoint names it with the same JSON while the head holds exactly those
-    messages one after the other, where they were (`_head_run`)."""
+    """A page of a queue's head as a checkpoint named it: its ids, rising, their places,
+    and its JSON. The next checkpoint names it with the same JSON while the head holds
+    exactly those messages one after the other, each in the same place (`_head_run`)."""
 
-    __slots__ = ("mids", "text")
+    __slots__ = ("ats", "mids", "text")
 
-    def __init__(self, mids: list[int], text: bytes) -> None:
+    def __init__(self, mids: list[int], ats: array.array[int], text: bytes) -> None:
         self.mids = mids
+        self.ats = ats
         self.text = text
 
 
@@ -2118,7 +2113,7 @@ def _checkpoint_bytes(state: _Captured, made: _Made, prefix: str) -> bytes:
     by_queue, head_places = _split_where(state)
     heads = dict(state.heads)
     runs = {
-        key: _head_run(key, msgs, head_places[key], state.named.get(key, (0, []))[1])
+        key: _head_run(key, msgs, head_places[key], state.named.get(key, []))
         for key, msgs in state.heads
     }
     # No head page's range holds an id named one by one, nor one of a page read back.
@@ -2131,12 +2126,12 @@ def _checkpoint_bytes(state: _Captured, made: _Made, prefix: str) -> bytes:
         left = head_places[key]  # named one by one, as a page's messages are (`only`)
         cuts = sorted([*left, *read_back.get(key, [])])
         give_way(len(cuts))
-        if _cut_inside(pieces, cuts):  # a message requeued into a page's range: all anew
+        if _cut_inside(pieces, cuts):  # one named alone in a page's range: all anew
             left = head_places[key] = _merged(state.where.get(key, []))
             pieces = _head_run(key, heads[key], left, [])
             cuts = sorted([*left, *read_back.get(key, [])])
         named = _head_pages(pieces, cuts)
-        made.heads[key] = (state.named.get(key, (0, []))[0], named)
+        made.heads[key] = named
         paged.append((key, named, [left]))
     pages: dict[tuple[str, str], list[Any]] = {}
     seen = 0
@@ -2278,10 +2273,10 @@ def _head_run(
     messages whose ENQUEUE record `where` names (taken from it) and that stay in the log as
     they are (persistent, no expiration), in the head's order, each with a higher id than the
     one before (a message requeued out of order is named one by one). A page of the last
-    checkpoint (`named`) whose messages come next, exactly and in order, is named as it was:
-    compaction has not moved them (`_Captured.named`), and a FIFO queue's head is mostly
-    what it held at the last checkpoint. The rest is in columns, which grow by a slice of
-    lists at a time: compiled, an array's append is a method call."""
+    checkpoint (`named`) whose messages come next, exactly, in order and each in its place,
+    is named as it was: a FIFO queue's head is mostly what it held at the last checkpoint.
+    The rest is in columns, which grow by a slice of lists at a time: compiled, an array's
+    append is a method call."""
     place = records.place(*key)
     starts = {page.mids[0]: page for page in named}
     pieces: list[Columns | _Named] = []
@@ -2332,17 +2327,18 @@ def _head_run(
 
 def _holds(msgs: list[Message], i: int, page: _Named, where: dict[int, int]) -> bool:
     """Whether the head's messages from `i` on are exactly `page`'s, each still where the
-    page says (in `where`, which gives them up)."""
+    page says (in `where`, which gives them up): compaction moves records, and a page that
+    names an old place would send a start to a segment since deleted."""
     mids = page.mids
     if [m.mid for m in msgs[i : i + len(mids)]] != mids:
         return False
-    ats = list(map(where.pop, mids, itertools.repeat(None)))
-    if None in ats:  # not in the index (never so far): named one by one, as the rest are
-        for mid, at in zip(mids, ats, strict=True):
-            if at is not None:
-                where[mid] = at
-        return False
-    return True
+    ats: list[int | None] = list(map(where.pop, mids, itertools.repeat(None)))
+    if None not in ats and array.array("q", cast(list[int], ats)) == page.ats:
+        return True
+    for mid, at in zip(mids, ats, strict=True):  # named as the rest are
+        if at is not None:
+            where[mid] = at
+    return False
 
 
 def _grown(run: Columns, ats: list[int], lengths: list[int], bodies: list[int]) -> None:
@@ -2406,7 +2402,7 @@ def _page_entry(run: Columns, start: int, end: int) -> _Named:
     ids = mids[start:end]
     packed = [[e, b"".join(_packed("Q", o)).decode()] for e, o in pack_ids(ids)]
     entry = [end - start, sum(bodies[start:end]), ids[0], ids[-1], extents, segs, packed]
-    return _Named(ids, json.dumps(entry, separators=(",", ":")).encode())
+    return _Named(ids, ats[start:end], json.dumps(entry, separators=(",", ":")).encode())
 
 
 def _only(page: Page) -> dict[int, int]:
