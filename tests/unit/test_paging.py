@@ -8,6 +8,8 @@ import array
 import asyncio
 import errno
 import json
+import random
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -1326,3 +1328,121 @@ def test_a_message_named_alone_in_a_named_pages_range_has_the_head_named_anew() 
     ranges = [(entry[2], entry[3]) for entry in queue["pages"]]
     assert not any(first < alone[0] < last for first, last in ranges)
     assert sum(entry[0] for entry in queue["pages"]) == 7
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_start_from_any_checkpoint_of_random_traffic_holds_every_message(
+    tmp_path: Path, seed: int
+) -> None:
+    """Two queues take random traffic: publishes (mostly persistent, a few transient or
+    with a TTL, bodies of 100 B to 60 KB), gets, acks, requeues, and compaction carrying
+    the records of the oldest segment forward. After each checkpoint, a start from a copy of
+    the directory holds exactly the persistent messages the queues hold then, ready or
+    delivered: whether each head's pages were named anew or as the last checkpoint named
+    them (`_head_run`)."""
+    rnd = random.Random(seed)
+    write_log(tmp_path, declare("q"), declare("r"))
+    store, broker, loop = started(tmp_path)
+    delivered: dict[str, list[Message]] = {"q": [], "r": []}
+    named_as_before = checkpoints = carried = 0
+    for _step in range(200):
+        name = rnd.choice(["q", "q", "r"])
+        q = broker.vhost("/").queues[name]
+        op = rnd.random()
+        if op < 0.45:
+            for _ in range(rnd.randint(1, 6)):
+                size = rnd.choice([100, 20_000, 60_000])
+                route = b"\x00" + bytes([len(name)]) + name.encode()
+                m = Message("", name, route, PERSISTENT, b"x" * size, size)
+                m.persistent = rnd.random() > 0.05
+                m.expiration = 10**9 if rnd.random() < 0.05 else None
+                q.enqueue(m)
+        elif op < 0.6 and (m := q.get()) is not None:
+            q.unacked += 1
+            delivered[name].append(m)
+        elif op < 0.7 and delivered[name]:
+            q.settle(delivered[name].pop(rnd.randrange(len(delivered[name]))))
+        elif op < 0.8 and delivered[name]:
+            q.reject(delivered[name].pop(rnd.randrange(len(delivered[name]))), True)
+        elif op < 0.85 and (m := q.get(no_ack=True)) is not None:
+            q.settle_unacked_get(m)
+        elif op < 0.9:
+            carried += compacted(store)
+        elif op < 0.97:
+            on_disk(store)
+            before = {id(page) for pages in store.named_heads.values() for page in pages}
+            checkpointed(store)
+            checkpoints += 1
+            named_as_before += sum(
+                id(page) in before for pages in store.named_heads.values() for page in pages
+            )
+            copy = tmp_path / f"copy-{checkpoints}"
+            shutil.copytree(tmp_path / "log", copy / "log")
+            held = {
+                n: sorted(
+                    m.mid
+                    for m in [*broker.vhost("/").queues[n].all_ready(), *delivered[n]]
+                    if m.persistent
+                )
+                for n in ("q", "r")
+            }
+            other, recovered, other_loop = started(copy)
+            assert {n: drained(recovered, n) for n in ("q", "r")} == held
+            other.close()
+            other_loop.close()
+        else:
+            on_disk(store)
+    store.close()
+    loop.close()
+    assert checkpoints and named_as_before and carried  # what the test is about happened
+
+
+def started(path: Path) -> tuple[Store, Broker, asyncio.AbstractEventLoop]:
+    """A store with a memory budget for a few large messages a queue and segments of
+    200 KB, of which it keeps two before compaction carries records forward."""
+    seq = Sequencer()
+    broker = Broker(seq)
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 3.0  # each look at the clock is later than compaction's patience
+        return now[0]
+
+    store = Store(
+        path,
+        fsync=False,
+        page_bytes=1_000_000,
+        checkpoint_records=10**9,
+        segment_bytes=200_000,
+        max_segments=2,
+        clock=clock,
+    )
+    seq.disk = store
+    loop = asyncio.new_event_loop()
+    store.open(broker, seq, loop)
+    return store, broker, loop
+
+
+def compacted(store: Store) -> int:
+    """Compaction's step on the oldest segment whatever its share of live records (unless
+    a page reads from it): they are written again in a new segment, and it goes. Returns
+    how many were."""
+    on_disk(store)
+    oldest = next(iter(store.segments))
+    if oldest in store.pinned:
+        return 0
+    store._roll()
+    path = store._path(oldest)
+    _whole, moved = store._carry_forward(oldest, log_mod._read_head(path, path.stat().st_size))
+    store._carried(oldest)
+    on_disk(store)
+    return moved
+
+
+def drained(broker: Broker, name: str) -> list[int]:
+    """The ids of every message the queue hands out, sorted."""
+    q = broker.vhost("/").queues[name]
+    out = []
+    while (m := q.get(no_ack=True)) is not None:
+        out.append(m.mid)
+    return sorted(out)
