@@ -727,10 +727,7 @@ def test_a_queue_whose_records_compaction_carried_is_named_where_they_are_now(
     seg = write_log(tmp_path, declare("a"), enqueue(1, "a"), enqueue(2, "a"))
     store, _broker = recover(tmp_path, page_bytes=0, checkpoint_records=1000)
     checkpointed(store)
-    store._roll()
-    good, moved = store._carry_forward(1, seg.read_bytes())
-    assert moved == 2 and good == seg.stat().st_size
-    store._carried(1)
+    assert carried_forward(store) == 2
     checkpointed(store)
     assert not seg.exists()
     store.close()
@@ -1283,10 +1280,7 @@ def test_pages_of_a_head_whose_records_compaction_moved_are_named_anew(tmp_path:
     store, _broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=1000)
     checkpointed(store)
     before = store.named_heads[("/", "q")]
-    store._roll()
-    good, moved = store._carry_forward(1, seg.read_bytes())
-    assert moved == 6 and good == seg.stat().st_size
-    store._carried(1)
+    assert carried_forward(store) == 6
     checkpointed(store)
     assert not seg.exists()
     after = store.named_heads[("/", "q")]
@@ -1424,18 +1418,25 @@ def started(path: Path) -> tuple[Store, Broker, asyncio.AbstractEventLoop]:
 
 
 def compacted(store: Store) -> int:
-    """Compaction's step on the oldest segment whatever its share of live records (unless
-    a page reads from it): they are written again in a new segment, and it goes. Returns
-    how many were."""
+    """`carried_forward` on the oldest segment, unless a page reads from it."""
     on_disk(store)
     oldest = next(iter(store.segments))
     if oldest in store.pinned:
         return 0
-    store._roll()
-    path = store._path(oldest)
-    _whole, moved = store._carry_forward(oldest, log_mod._read_head(path, path.stat().st_size))
-    store._carried(oldest)
+    moved = carried_forward(store, oldest)
     on_disk(store)
+    return moved
+
+
+def carried_forward(store: Store, seg: int = 1) -> int:
+    """Compaction's step on segment `seg` whatever its share of live records: they are
+    written again in a new segment, and it goes. Returns how many were."""
+    store._roll()
+    path = store._path(seg)
+    size = store.sizes.get(seg, path.stat().st_size)  # a spare's last life lies after it
+    good, moved = store._carry_forward(seg, log_mod._read_head(path, size))
+    assert good == size
+    store._carried(seg)
     return moved
 
 
