@@ -42,7 +42,7 @@ def measure(count: int, runs: int) -> tuple[float, float]:
 
     def named(msgs: list[Message], where: dict[int, int], pages: list[Any]) -> tuple[float, Any]:
         fields = {f.name for f in dataclasses.fields(store_log._Captured)}
-        extra = {"named": {key: pages}} if "named" in fields else {}
+        extra: dict[str, Any] = {"named": {key: pages}} if "named" in fields else {}
         state = store_log._Captured({"epoch": 1}, {key: [where]}, [], [(key, msgs)], **extra)
         made = store_log._Made()
         start = time.perf_counter()
