@@ -8,9 +8,10 @@ Builds, in this process, a queue's head of MESSAGES persistent 100-byte messages
 consumed, as many added) with the pages the first one named. Prints ns a message for each,
 best of RUNS. `--against TREE` runs the same in a child process with TREE's source first
 on PYTHONPATH (a tree from before a checkpoint reused pages names the head anew both times).
-Offline, the head's messages sit together in memory: in a member under load, reading them
-misses the cache, and the store's own figures are smaller than what a member gains
-(docs/performance.md, session 36).
+The times include the thread's turns given to the loop (`give_way`: 0.1 ms every 16,384
+messages, about 7 ns a message). Offline, the head's messages sit together in memory; in a
+member under load, reading them misses the cache, and a member gains less than these figures
+say (docs/performance.md, session 36).
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ def measure(count: int, runs: int) -> tuple[float, float]:
         m.mid = records.mid(1, 1000 + 2 * i)
         return m
 
-    def named(msgs: list[Message], where: dict[int, int], pages: list[Any]) -> tuple[float, Any]:
+    def named(msgs: list[Message], where: dict[int, int], pages: Any) -> tuple[float, Any]:
+        """Seconds to name `msgs`, given the pages the last one named (as it returned them,
+        None for none), and the pages it named."""
         fields = {f.name for f in dataclasses.fields(store_log._Captured)}
-        extra: dict[str, Any] = {"named": {key: pages}} if "named" in fields else {}
+        extra: dict[str, Any] = {}
+        if pages is not None and "named" in fields:
+            extra["named"] = {key: pages}
         state = store_log._Captured({"epoch": 1}, {key: [where]}, [], [(key, msgs)], **extra)
         made = store_log._Made()
         start = time.perf_counter()
         store_log._checkpoint_bytes(state, made, "part-")
-        return time.perf_counter() - start, getattr(made, "heads", {}).get(key, [])
+        return time.perf_counter() - start, getattr(made, "heads", {}).get(key)
 
     head = [message(i) for i in range(count)]
     places = {m.mid: (1 << at_bits) | (180 * i) for i, m in enumerate(head)}
@@ -58,7 +63,7 @@ def measure(count: int, runs: int) -> tuple[float, float]:
     }
     anew, after = [], []
     for _ in range(runs):
-        seconds, pages = named(head, dict(places), [])
+        seconds, pages = named(head, dict(places), None)
         anew.append(seconds)
         after.append(named(later, dict(later_places), pages)[0])
     return 1e9 * min(anew) / count, 1e9 * min(after) / count
