@@ -11,7 +11,7 @@ import json
 import random
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -60,10 +60,15 @@ def loops() -> Iterator[list[asyncio.AbstractEventLoop]]:
 LOOPS: list[list[asyncio.AbstractEventLoop]] = []
 
 
-def recover(tmp_path: Path, page_bytes: int = 1, **settings: int) -> tuple[Store, Broker]:
+def recover(
+    tmp_path: Path,
+    page_bytes: int = 1,
+    clock: Callable[[], float] = time.monotonic,
+    **settings: int,
+) -> tuple[Store, Broker]:
     seq = Sequencer()
     broker = Broker(seq)
-    store = Store(tmp_path, fsync=False, page_bytes=page_bytes, **settings)
+    store = Store(tmp_path, fsync=False, page_bytes=page_bytes, clock=clock, **settings)
     seq.disk = store
     loop = asyncio.new_event_loop()
     LOOPS[-1].append(loop)
@@ -1336,7 +1341,7 @@ def test_a_start_from_any_checkpoint_of_random_traffic_holds_every_message(
     them (`_head_run`)."""
     rnd = random.Random(seed)
     write_log(tmp_path, declare("q"), declare("r"))
-    store, broker, loop = started(tmp_path)
+    store, broker = started(tmp_path)
     delivered: dict[str, list[Message]] = {"q": [], "r": []}
     named_as_before = checkpoints = carried = 0
     for _step in range(200):
@@ -1383,41 +1388,32 @@ def test_a_start_from_any_checkpoint_of_random_traffic_holds_every_message(
                 )
                 for n in ("q", "r")
             }
-            other, recovered, other_loop = started(copy)
+            other, recovered = started(copy)
             assert {n: drained(recovered, n) for n in ("q", "r")} == held
             other.close()
-            other_loop.close()
         else:
             on_disk(store)
     store.close()
-    loop.close()
     assert checkpoints and named_as_before and carried  # what the test is about happened
 
 
-def started(path: Path) -> tuple[Store, Broker, asyncio.AbstractEventLoop]:
+def started(path: Path) -> tuple[Store, Broker]:
     """A store with a memory budget for a few large messages a queue and segments of
     200 KB, of which it keeps two before compaction carries records forward."""
-    seq = Sequencer()
-    broker = Broker(seq)
     now = [0.0]
 
     def clock() -> float:
         now[0] += 3.0  # each look at the clock is later than compaction's patience
         return now[0]
 
-    store = Store(
+    return recover(
         path,
-        fsync=False,
         page_bytes=1_000_000,
+        clock=clock,
         checkpoint_records=10**9,
         segment_bytes=200_000,
         max_segments=2,
-        clock=clock,
     )
-    seq.disk = store
-    loop = asyncio.new_event_loop()
-    store.open(broker, seq, loop)
-    return store, broker, loop
 
 
 def compacted(store: Store) -> int:
