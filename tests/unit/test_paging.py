@@ -33,8 +33,9 @@ def declare(queue: str = "q") -> bytes:
     return records.frame(records.DEFINE, 1, 0, records.define("/", "queue.declare", body))
 
 
-def enqueue(mid: int, queue: str = "q") -> bytes:
-    body = str(mid).encode().rjust(16, b"0")  # longer than the budget: no page stays in memory
+def enqueue(mid: int, queue: str = "q", body: bytes | None = None) -> bytes:
+    if body is None:
+        body = str(mid).encode().rjust(16, b"0")  # longer than the budget: no page in memory
     route = b"\x00" + bytes([len(queue)]) + queue.encode()
     m = Message("", queue, route, PERSISTENT, body, len(body))
     m.mid = records.mid(1, mid)
@@ -1238,11 +1239,7 @@ def test_the_extents_of_records_across_segments_out_of_order_hold_every_record()
 
 def large(mid: int, queue: str = "q") -> bytes:
     """An ENQUEUE of 100 KB: three fill a checkpoint's page of a head (PAGE_BYTES)."""
-    body = str(mid).encode().rjust(100_000)
-    route = b"\x00" + bytes([len(queue)]) + queue.encode()
-    m = Message("", queue, route, PERSISTENT, body, len(body))
-    m.mid = records.mid(1, mid)
-    return records.frame(records.ENQUEUE, 1, mid, records.enqueue("/", queue, m))
+    return enqueue(mid, queue, str(mid).encode().rjust(100_000))
 
 
 def consumed(store: Store, broker: Broker, mids: list[int], offset: int) -> None:
