@@ -205,7 +205,8 @@ class World:
             self,
             self,
             self,
-            Settings(failover_delay=1.0, isr_min=self.isr_min, max_lag_records=20),
+            # A member is tracked a few records short of the ISR, as a real one is (decide._near).
+            Settings(failover_delay=1.0, isr_min=self.isr_min, max_lag_records=20, track_records=5),
         )
 
     def new_replica(self, n: str) -> core.Replica:
@@ -261,8 +262,8 @@ class World:
             if self.state[n] == "crashed":
                 members.append(Member(n, Liveness.DOWN))
                 continue
-            caught_up, waited, lag = (
-                primary.report(n) if reporting and primary is not None else (False, False, 0)
+            caught_up, waited, lag, behind = (
+                primary.report(n) if reporting and primary is not None else (False, False, 0, None)
             )
             paused = self.state[n] == "paused"
             members.append(
@@ -279,6 +280,7 @@ class World:
                     applied_version=r.applied_version,
                     whole=r.log.whole,
                     lag_records=lag,
+                    behind=behind,
                 )
             )
         return tuple(members)

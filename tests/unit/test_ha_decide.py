@@ -60,6 +60,8 @@ def parse_member(text: str, holder: str | None) -> Member:
             fields["applied_version"] = int(word.split("=")[1])
         elif word.startswith("lag="):
             fields["lag_records"] = int(word.split("=")[1])
+        elif word.startswith("behind="):
+            fields["behind"] = int(word.split("=")[1])
         elif word.startswith("follows="):
             target = word.split("=")[1]
             fields["following"] = None if target == "-" else target
@@ -207,6 +209,7 @@ def views(draw: st.DrawFn) -> View:
                 waited=draw(st.booleans()),
                 applied_version=draw(st.integers(max(0, version - 1), version)),
                 lag_records=draw(st.sampled_from([0, 10, 200_000])),
+                behind=draw(st.sampled_from([None, 0, 10, 30_000])),
             )
         )
     switchover = None if settled else draw(st.none() | st.sampled_from(nodes))
@@ -273,6 +276,12 @@ def test_safety_properties(view: View, isr_min: int) -> None:
         assert not d.tracking & d.isr
     if d.action is Action.TRACK:
         assert not (d.tracking - record.tracking) & view.leaving
+        # Only a member that answers and has acked over its connection all that is
+        # confirmed, or all but a few of it (rule 4 still waits for all before the ISR).
+        (tracked,) = d.tracking - record.tracking
+        m = view.member(tracked)
+        assert m is not None and m.answering
+        assert m.caught_up or (m.behind is not None and m.behind <= s.track_records)
     if d.action is Action.RESTART:
         # one stale backup, only while every member serves in sync and none is stopping
         assert d.target in view.stale and d.target != record.holder

@@ -54,6 +54,37 @@ def test_a_record_is_confirmed_once_the_isr_has_it() -> None:
     assert a.confirmed == 1 and b.log == a.log == [2]
 
 
+def test_the_primary_reports_the_confirmed_records_a_follower_has_not_acked() -> None:
+    """`behind`, which the controller tracks a catching-up member by (decide._near): None
+    until the follower acked over its connection; once tracked, it holds back the confirms
+    until it has acked them (rule 3), and it is caught up."""
+    a, b = pair()
+    c = core.Replica("c", EpochLog(), epoch=2, incarnation=1)
+    ((_, hello),) = c.control(core.Follow("a", 2))
+    ((_, sync),) = a.peer(hello)
+    assert a.report("c") == (False, False, 0, None)  # joined, nothing acked yet
+    ((_, ack),) = c.peer(sync)
+    a.peer(ack)
+    appends = [dict(a.append()) for _ in range(5)]
+    for out in appends:
+        ((_, ack),) = b.peer(out["b"])
+        a.peer(ack)
+    for out in appends[:2]:
+        ((_, ack),) = c.peer(out["c"])
+        a.peer(ack)
+    assert a.confirmed == 5
+    assert a.report("c") == (False, False, 3, 3)
+    a.control(core.Inform(ElectionRecord("a", 2, frozenset("ab"), 2, frozenset("c"))))
+    more = dict(a.append())
+    ((_, ack),) = b.peer(more["b"])
+    a.peer(ack)
+    assert a.confirmed == 5  # the sixth waits for c
+    for out in [*appends[2:], more]:
+        ((_, ack),) = c.peer(out["c"])
+        a.peer(ack)
+    assert a.confirmed == 6 and a.report("c") == (True, True, 0, 0)
+
+
 def test_a_late_sync_cannot_truncate_a_follower() -> None:
     _, b = pair()
     late = core.Sync("a", 2, (1, 0), 0, ())

@@ -159,6 +159,7 @@ class HttpObserver:
                     applied_version=s.applied_version,
                     lag_records=r.lag_records,
                     lag_seconds=r.lag_seconds,
+                    behind=r.behind,
                     whole=s.whole,
                     diverged=s.diverged,
                     silent_for=0.0 if answered else now - p.last_answer,

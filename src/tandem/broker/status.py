@@ -32,6 +32,9 @@ class MemberReport(_Model):
     waited: bool = False  # the primary waits for its acks (ISR or tracked)
     lag_records: int = 0
     lag_seconds: float = 0.0
+    # Confirmed records it has not acked; None until it acked over its current connection
+    # (and from a primary of a version before this field).
+    behind: int | None = None
 
 
 class QueueStatus(_Model):

@@ -301,10 +301,11 @@ def _maintain(view: View, settings: Settings, primary: Member) -> Decision:
                 tracking=record.tracking - {node},
             )
     for m in view.members:
-        if m.node not in record.waited | view.leaving and m.answering and m.caught_up:
+        if m.node not in record.waited | view.leaving and m.answering and _near(m, settings):
+            short = "has acked all" if m.caught_up else f"is {m.behind} records short of all"
             return Decision(
                 Action.TRACK,
-                f"{m.node} has acked all that is confirmed; the primary is to wait for it",
+                f"{m.node} {short} that is confirmed; the primary is to wait for it",
                 epoch=record.epoch,
                 isr=record.isr,
                 tracking=record.tracking | {m.node},
@@ -401,6 +402,16 @@ def isr_min(record: ElectionRecord, settings: Settings) -> int:
     if now is None or wanted <= now:
         return wanted
     return max(now, min(wanted, len(record.isr)))
+
+
+def _near(m: Member, settings: Settings) -> bool:
+    """Whether the primary should start waiting for `m`: it has acked all that is confirmed,
+    or is at most `track_records` short of it. Under a load that does not wait for
+    confirms, a member catching up after a restart stayed tens of thousands of records
+    behind for seconds, its CPU shared with the load it chased (issue 16). Tracked, it
+    holds back the confirms, and the primary's flow control pauses the publishers while it
+    takes the rest; it joins the ISR only once it holds all that is confirmed (GROW_ISR)."""
+    return m.caught_up or (m.behind is not None and m.behind <= settings.track_records)
 
 
 def _out_of_sync(m: Member | None, settings: Settings) -> str | None:

@@ -49,6 +49,9 @@ class Member:
     # primary has confirmed (`caught_up`), and the primary waits for its acks (`waited`).
     caught_up: bool = False
     waited: bool = False
+    # Of what the primary has confirmed, the records this member has not acked; None until
+    # it acked over its current connection. `caught_up` when it is 0.
+    behind: int | None = None
     # On the primary: the version of the election record whose wait set it applied last.
     applied_version: int = 0
     lag_records: int = 0  # records the primary holds that this member has not acked
@@ -140,6 +143,9 @@ class Settings:
     isr_min: int = 2  # below it the primary stops confirming; never shrink under it
     max_lag_records: int = 100_000  # an ISR member further behind than this is dropped
     max_lag_seconds: float = 10.0  # ... or whose oldest unacked record is this old
+    # A member this few confirmed records short of the ISR is tracked: the primary waits for
+    # it, and its publishers pause while it takes them (decide, TRACK).
+    track_records: int = 25_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -246,14 +246,17 @@ class Replica:
         log = self.log
         return Position(log.last_epoch, log.end) if log.end else Position()
 
-    def report(self, node: str) -> tuple[bool, bool, int]:
-        """The primary's view of a follower at one instant: (caught_up, waited, lag)."""
+    def report(self, node: str) -> tuple[bool, bool, int, int | None]:
+        """The primary's view of a follower at one instant: (caught_up, waited, lag,
+        behind). `behind` counts the confirmed records it has not acked; None until it
+        acked over its current connection."""
         if self.role is not Role.PRIMARY:
-            return False, False, self.log.end
+            return False, False, self.log.end, None
         acked = self.acked.get(node)
         caught_up = acked is not None and acked >= self.confirmed
         waited = node in self.isr or node in self.tracking
-        return caught_up, waited, self.log.end - (acked or 0)
+        behind = None if acked is None else max(0, self.confirmed - acked)
+        return caught_up, waited, self.log.end - (acked or 0), behind
 
     def restart(self, incarnation: int | None = None) -> None:
         """A crash: everything volatile is gone; the epoch and the log were on disk."""

@@ -831,7 +831,7 @@ class Member:
             for n in sorted(set(r.peers) | r.isr | r.tracking):
                 if n == self.node:
                     continue
-                caught_up, waited, lag = r.report(n)
+                caught_up, waited, lag, behind = r.report(n)
                 acked = r.acked.get(n)
                 members[n] = MemberReport(
                     connected=n in self.peers,
@@ -839,6 +839,7 @@ class Member:
                     waited=waited,
                     lag_records=lag,
                     lag_seconds=round(self.log.age(acked or 0), 3) if lag else 0.0,
+                    behind=behind,
                 )
             out.isr, out.tracking = sorted(r.isr), sorted(r.tracking)
             out.applied_version, out.confirmed = r.applied_version, r.confirmed
