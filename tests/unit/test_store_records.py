@@ -218,13 +218,9 @@ def test_recovery_drops_a_transaction_a_crash_cut_short(tmp_path: Path) -> None:
     cut = enq(4, True) + enq(5, True)
     seg = log_dir / f"{1:020d}.seg"
     seg.write_bytes(records.frame(records.DEFINE, 1, 1, define) + whole + cut)
-    seq = Sequencer()
-    broker = Broker(seq)
     loop = asyncio.new_event_loop()
     try:
-        store = Store(tmp_path, fsync=False)
-        seq.disk = store
-        result = store.open(broker, seq, loop)
+        seq, broker, _, result = _opened(tmp_path, loop)
     finally:
         loop.close()
     q = broker.vhost("/").queues["q"]
@@ -314,11 +310,7 @@ def test_a_store_written_before_crc32c_recovers_and_goes_on(tmp_path: Path) -> N
     seen: list[tuple[list[str], list[bytes]]] = []
 
     async def run(declare: str | None) -> None:
-        seq = Sequencer()
-        broker = Broker(seq)
-        store = Store(tmp_path, fsync=False)
-        seq.disk = store
-        result = store.open(broker, seq, asyncio.get_running_loop())
+        seq, broker, store, result = _opened(tmp_path, asyncio.get_running_loop())
         try:
             assert not result.corrupt and not result.truncated
             vhost = broker.vhost("/")
@@ -378,11 +370,7 @@ def test_large_bodies_written_as_parts_roll_segments_and_come_back_whole(
     bodies = [bytes([i]) * (64 * 1024) + str(i).encode() for i in range(12)]
 
     async def run(publish: bool) -> list[bytes]:
-        seq = Sequencer()
-        broker = Broker(seq)
-        store = Store(tmp_path, fsync=False, segment_bytes=200_000)
-        seq.disk = store
-        store.open(broker, seq, asyncio.get_running_loop())
+        seq, broker, store, _ = _opened(tmp_path, asyncio.get_running_loop(), segment_bytes=200_000)
         try:
             vhost = broker.add_vhost("/") if publish else broker.vhost("/")
             if publish:
@@ -464,12 +452,10 @@ async def _churn(
     """Publish `count` 16 KiB messages into 100 KB segments, each consumed three behind
     the publisher, each step on disk before the next; `before(store, i)` before the i-th,
     `at_end(store)` (awaited, if it is a coroutine) before the close."""
-    seq = Sequencer()
-    broker = Broker(seq)
-    store = Store(tmp_path, **{"fsync": False, "segment_bytes": 100_000, **config})
+    seq, broker, store, _ = _opened(
+        tmp_path, asyncio.get_running_loop(), **{"segment_bytes": 100_000, **config}
+    )
     store.retry_seconds = 0.01
-    seq.disk = store
-    store.open(broker, seq, asyncio.get_running_loop())
     try:
         q = broker.add_vhost("/").declare_queue("q", durable=True)[0]
         for i in range(count):
@@ -486,6 +472,18 @@ async def _churn(
     finally:
         store.close()
         apply.done(broker)
+
+
+def _opened(
+    where: Path, loop: asyncio.AbstractEventLoop, stop_at_corrupt: bool = False, **config: Any
+) -> tuple[Sequencer, Broker, Store, log_mod.Recovered]:
+    """A broker on the store in `where`, opened as a node's start opens it (without fsync
+    unless `config` says)."""
+    seq = Sequencer()
+    broker = Broker(seq)
+    store = Store(where, **{"fsync": False, **config})
+    seq.disk = store
+    return seq, broker, store, store.open(broker, seq, loop, stop_at_corrupt=stop_at_corrupt)
 
 
 async def _on_disk(seq: Sequencer) -> None:
@@ -510,11 +508,9 @@ def _reopened(
     back as it is taken); no spare is left after its start, which used a `checkpoint`."""
 
     async def run() -> list[bytes]:
-        seq = Sequencer()
-        broker = Broker(seq)
-        store = Store(where, **{"fsync": False, "segment_bytes": 100_000, **config})
-        seq.disk = store
-        recovered = store.open(broker, seq, asyncio.get_running_loop())
+        _, broker, store, recovered = _opened(
+            where, asyncio.get_running_loop(), **{"segment_bytes": 100_000, **config}
+        )
         try:
             assert not list((where / "log").glob(f"*{log_mod.SPARE_SUFFIX}"))
             assert (recovered.from_checkpoint is not None) == checkpoint
@@ -714,11 +710,9 @@ def test_segments_set_aside_leave_no_salt_to_the_numbers_written_again(tmp_path:
     paths[reused[0] - 1].write_bytes(bytes(data))
 
     async def go_on() -> list[str]:
-        seq = Sequencer()
-        broker = Broker(seq)
-        store = Store(tmp_path, fsync=False, segment_bytes=100_000)
-        seq.disk = store
-        recovered = store.open(broker, seq, asyncio.get_running_loop(), stop_at_corrupt=True)
+        seq, broker, store, recovered = _opened(
+            tmp_path, asyncio.get_running_loop(), stop_at_corrupt=True, segment_bytes=100_000
+        )
         try:
             for i in range(100, 120):  # past the number set aside, and the next
                 _put(broker, "q", i)
