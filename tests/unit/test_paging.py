@@ -291,6 +291,24 @@ def test_a_checkpoint_gives_the_loop_its_turn_in_its_pass_over_the_index(
     assert min(given) > 0  # a sleep of no time let the thread take the GIL straight back
 
 
+def test_give_way_gives_way_once_for_each_yield_every_of_work_and_carries_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shard's messages counted in one call give way as often as counted one by one, so
+    that a queue's index merged a shard at a time (`_merged`) gives the loop as many turns
+    as a pass over its messages did."""
+    given: list[float] = []
+    monkeypatch.setattr(time, "sleep", given.append)
+    monkeypatch.setattr(log_mod, "_owed", 0)
+    every = log_mod.YIELD_EVERY
+    log_mod.give_way(2 * every + every // 2)
+    assert len(given) == 2
+    log_mod.give_way(every // 2)  # with what was left over: one more
+    assert len(given) == 3
+    log_mod.give_way(every - 1)
+    assert len(given) == 3
+
+
 def test_a_message_named_alone_inside_a_head_keeps_its_place_after_a_start(tmp_path: Path) -> None:
     """Message 3 has an expiration, so the checkpoint names it one by one, not in a page of
     the head around it: the head's pages are cut there, and a start puts 3 back between 2
