@@ -60,6 +60,8 @@ def parse_member(text: str, holder: str | None) -> Member:
             fields["applied_version"] = int(word.split("=")[1])
         elif word.startswith("lag="):
             fields["lag_records"] = int(word.split("=")[1])
+        elif word.startswith("age="):
+            fields["lag_seconds"] = float(word.split("=")[1])
         elif word.startswith("behind="):
             fields["behind"] = int(word.split("=")[1])
         elif word.startswith("follows="):
@@ -209,6 +211,7 @@ def views(draw: st.DrawFn) -> View:
                 waited=draw(st.booleans()),
                 applied_version=draw(st.integers(max(0, version - 1), version)),
                 lag_records=draw(st.sampled_from([0, 10, 200_000])),
+                lag_seconds=draw(st.sampled_from([0.0, 12.0])),
                 behind=draw(st.sampled_from([None, 0, 10, 30_000])),
             )
         )
@@ -282,6 +285,7 @@ def test_safety_properties(view: View, isr_min: int) -> None:
         m = view.member(tracked)
         assert m is not None and m.answering
         assert m.caught_up or (m.behind is not None and m.behind <= s.track_records)
+        assert decide._out_of_sync(m, s) is None  # never one UNTRACK drops at once
     if d.action is Action.RESTART:
         # one stale backup, only while every member serves in sync and none is stopping
         assert d.target in view.stale and d.target != record.holder

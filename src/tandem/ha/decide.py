@@ -21,7 +21,7 @@ class Action(enum.Enum):
     PROMOTE = "promote"  # failover, phase 2: the best fenced in-sync member becomes primary
     FOLLOW = "follow"  # members that do not follow the primary at its epoch are told to
     SHRINK_ISR = "shrink_isr"  # drop a member that is down or lagging (before the primary may)
-    TRACK = "track"  # have the primary wait for a member that has caught up
+    TRACK = "track"  # have the primary wait for a member that (nearly) caught up
     UNTRACK = "untrack"  # stop waiting for a tracked member that fell behind again
     GROW_ISR = "grow_isr"  # name a tracked member in the ISR once the primary waits for it
     SET_MIN = "set_min"  # record the ISR minimum the settings give (changed, or not yet there)
@@ -406,12 +406,23 @@ def isr_min(record: ElectionRecord, settings: Settings) -> int:
 
 def _near(m: Member, settings: Settings) -> bool:
     """Whether the primary should start waiting for `m`: it has acked all that is confirmed,
-    or is at most `track_records` short of it. Under a load that does not wait for
-    confirms, a member catching up after a restart stayed tens of thousands of records
-    behind for seconds, its CPU shared with the load it chased (issue 16). Tracked, it
-    holds back the confirms, and the primary's flow control pauses the publishers while it
-    takes the rest; it joins the ISR only once it holds all that is confirmed (GROW_ISR)."""
-    return m.caught_up or (m.behind is not None and m.behind <= settings.track_records)
+    or is at most `track_records` short of it with room to lag that much more before it
+    would be dropped; never one that UNTRACK would drop at once (a member shrunk for an
+    unacked record 10 s old, on a slow load, is a few records short). Under a load that
+    does not wait for confirms, a member catching up after a restart stayed tens of
+    thousands of records behind for seconds, its CPU shared with the load it chased (issue
+    16). Tracked, it holds back the confirms, and the primary's flow control pauses the
+    publishers while it takes the rest; it joins the ISR only once it holds all that is
+    confirmed (GROW_ISR)."""
+    if _out_of_sync(m, settings) is not None:
+        return False
+    if m.caught_up:
+        return True
+    return (
+        m.behind is not None
+        and m.behind <= settings.track_records
+        and m.lag_records + settings.track_records <= settings.max_lag_records
+    )
 
 
 def _out_of_sync(m: Member | None, settings: Settings) -> str | None:
