@@ -291,21 +291,21 @@ def test_a_checkpoint_gives_the_loop_its_turn_in_its_pass_over_the_index(
     assert min(given) > 0  # a sleep of no time let the thread take the GIL straight back
 
 
-def test_give_way_gives_way_once_for_each_yield_every_of_work_and_carries_the_rest(
+def test_an_index_merged_a_shard_at_a_time_gives_way_as_a_pass_over_its_messages_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A shard's messages counted in one call give way as often as counted one by one, so
-    that a queue's index merged a shard at a time (`_merged`) gives the loop as many turns
-    as a pass over its messages did."""
+    """`_merged` copies each shard in one call and gives the loop a turn for every
+    YIELD_EVERY messages: a shard of two and a half times that gives it two, and its last
+    half with the next shard's half one more (counted by one call of `give_way` each, as
+    the copies count their slices, they gave two)."""
     given: list[float] = []
     monkeypatch.setattr(time, "sleep", given.append)
     monkeypatch.setattr(log_mod, "_owed", 0)
     every = log_mod.YIELD_EVERY
-    log_mod.give_way(2 * every + every // 2)
-    assert len(given) == 2
-    log_mod.give_way(every // 2)  # with what was left over: one more
-    assert len(given) == 3
-    log_mod.give_way(every - 1)
+    big = {i: i for i in range(2 * every + every // 2)}
+    small = {-i: i for i in range(1, every // 2 + 1)}
+    merged = log_mod._merged([big, small])
+    assert merged == big | small
     assert len(given) == 3
 
 

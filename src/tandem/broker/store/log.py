@@ -2097,13 +2097,11 @@ def give_way(work: int = YIELD_EVERY) -> None:
     (5 ms) and asked for it: under load on two cores, a primary's answers to its controller
     came up to 0.95 s late while a checkpoint was made. Asleep for a tenth of a millisecond,
     the thread leaves the GIL to the loop, if it wants it, at once. Counted, not given per
-    queue or page: a sleep each of 10,000 queues doubled a checkpoint's time. Work counted
-    in one call gives way once for each YIELD_EVERY of it, and what is left over is counted
-    with the next."""
+    queue or page: a sleep each of 10,000 queues doubled a checkpoint's time."""
     global _owed
     _owed += work
-    while _owed >= YIELD_EVERY:
-        _owed -= YIELD_EVERY
+    if _owed >= YIELD_EVERY:
+        _owed = 0
         time.sleep(GIVE_WAY_SECONDS)
 
 
@@ -2239,11 +2237,19 @@ def _split_where(
 
 def _merged(shards: list[dict[int, int]]) -> dict[int, int]:
     """A queue's index captured in shards, as one dict, a shard at a time: one copy in C (a
-    shard of ten million messages' is 2%), each counted for `give_way`."""
+    shard of ten million messages' is 2%). It gives the loop a turn for every YIELD_EVERY
+    messages, as a pass over them one by one does, and counts what is left with the work
+    that follows (`give_way` counts a call once at most: the copies for followers count
+    theirs a slice at a time, and more turns made them slower)."""
     out: dict[int, int] = {}
+    seen = 0
     for shard in shards:
         out.update(shard)
-        give_way(len(shard))
+        seen += len(shard)
+        while seen >= YIELD_EVERY:
+            give_way()
+            seen -= YIELD_EVERY
+    give_way(seen)
     return out
 
 
