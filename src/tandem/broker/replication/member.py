@@ -655,7 +655,14 @@ class Member:
             writer.write(wire.pack(wire.WELCOME, {"node": self.node}))
             old = self.peers.get(peer)
             if old is not None:
+                # Its task's end finds another connection in its place and leaves the core
+                # be: what the member acked over it says nothing of what it holds now (it
+                # may have restarted), and the controller would go on reading it as caught
+                # up, or a few records short, until its Hello.
                 old.close()
+                before = (self.replica.role, self.replica.epoch)
+                self.replica.disconnected(peer)
+                self._after(before)
             self._forget(peer)
             writer.takes = wire.takes(answer)
             self.peers[peer] = writer
