@@ -660,10 +660,9 @@ class Member:
                 # may have restarted), and the controller would go on reading it as caught
                 # up, or a few records short, until its Hello.
                 old.close()
-                before = (self.replica.role, self.replica.epoch)
-                self.replica.disconnected(peer)
-                self._after(before)
-            self._forget(peer)
+                self._gone(peer)
+            else:
+                self._forget(peer)
             writer.takes = wire.takes(answer)
             self.peers[peer] = writer
             log.info("node %s: member %s connected for replication", self.node, peer)
@@ -684,11 +683,16 @@ class Member:
         finally:
             if self.peers.get(peer) is writer:
                 del self.peers[peer]
-                self._forget(peer)
-                before = (self.replica.role, self.replica.epoch)
-                self.replica.disconnected(peer)
-                self._after(before)
+                self._gone(peer)
             writer.close()
+
+    def _gone(self, peer: str) -> None:
+        """A follower's connection ended, or another took its place: what it acked over it
+        no longer counts, and a copy being made for it is not sent."""
+        self._forget(peer)
+        before = (self.replica.role, self.replica.epoch)
+        self.replica.disconnected(peer)
+        self._after(before)
 
     def _forget(self, peer: str) -> None:
         """A follower's connection ended, or this member stopped being the primary: a copy
