@@ -118,6 +118,27 @@ async def test_a_look_waits_for_a_member_restarted_since_its_poll_went_unanswere
 
 
 @pytest.mark.asyncio
+async def test_a_member_restarted_before_a_look_saw_it_gone_is_down_until_it_answers(
+    members: tuple[Members, HttpObserver],
+) -> None:
+    """Issue 16: a backup killed and restarted between two looks was taken for silent in
+    its new life, so it stayed in the ISR for the failover delay (1.07 s) and its rejoin
+    waited for that. Its last life ended: it is down until the new one answers."""
+    served, observer = members
+    served.script = {"a": ["ok"], "b": ["ok", "refuse", "ok"]}
+    first = {m.node: m.liveness for m in await observer.observe(RECORD)}
+    assert first == {"a": Liveness.UP, "b": Liveness.UP}
+    observer.procs["b"].started = observer.procs["b"].last_answer + 0.001  # its next life
+    starting = {m.node: m for m in await observer.observe(RECORD)}
+    assert starting["b"].liveness is Liveness.DOWN
+    view = View(RECORD, (starting["a"], starting["b"]))
+    decision = decide.decide(view, Settings(isr_min=1))
+    assert decision.action is decide.Action.SHRINK_ISR, decision
+    answered = {m.node: m.liveness for m in await observer.observe(RECORD)}
+    assert answered == {"a": Liveness.UP, "b": Liveness.UP}
+
+
+@pytest.mark.asyncio
 async def test_a_silent_primary_is_what_it_last_answered_and_keeps_its_clients(
     members: tuple[Members, HttpObserver],
 ) -> None:

@@ -4,8 +4,8 @@ The local cluster and the Kubernetes operator both observe members through `GET 
 command them through `/ha/*` with the cluster key; they differ only in where a member is and
 whether it is known dead (a process exit, a pod's termination). That is the `Endpoint` each
 controller hands in. Liveness is judged as DESIGN asks, on the controller's own clock: a member
-known dead is down at once; otherwise it is up while it answers and silent (for how long)
-while it does not.
+known dead is down at once, and so is one restarted that has not answered in its new life yet;
+otherwise it is up while it answers and silent (for how long) while it does not.
 """
 
 from __future__ import annotations
@@ -138,7 +138,14 @@ class HttpObserver:
                 continue
             answered = p.last_answer != before[p.node]  # since the last look
             if not answered and (not p.status or p.last_answer < p.started):
-                since = max(p.last_answer, p.started)  # nothing seen of this life yet
+                if p.status:
+                    # Restarted, and not answering yet: the life that answered ended, and
+                    # took its memory and its link with it. Taken for silent, a backup killed
+                    # and restarted before the controller's next look stayed in the ISR for
+                    # the failover delay, and the primary waited for it (issue 16).
+                    members.append(Member(p.node, Liveness.DOWN))
+                    continue
+                since = max(p.last_answer, p.started)  # nothing seen of any life yet
                 members.append(Member(p.node, Liveness.SILENT, silent_for=now - since))
                 continue
             # Silent, a member is what it last answered (a paused primary is still the

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 class Liveness(enum.Enum):
     UP = "up"  # answered the controller's last poll
     SILENT = "silent"  # has missed polls for `silent_for` seconds (paused, cut off, overloaded)
-    DOWN = "down"  # known dead: its process exited, its pod terminated
+    DOWN = "down"  # known dead: its process exited, its pod terminated (or it restarted since)
 
 
 class Role(enum.Enum):

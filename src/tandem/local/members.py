@@ -240,9 +240,10 @@ class Supervisor:
             self.on_exit(proc)
             if killed:
                 # Killed from outside: back once the controller has seen it gone, which fails
-                # a primary over at once; a member already back is in its next look instead
-                # (a primary that answers as a backup, later: measured, confirms stopped for
-                # 0.25 s a kill, not 0.12). Its sockets and its store's lock went with it.
+                # a primary over at once (one back first answered as a backup, later:
+                # confirms stopped for 0.25 s a kill, not 0.12); a member already back is down
+                # in the next look until its new life answers (ha_http). Its sockets and its
+                # store's lock went with it.
                 await self.looked(delay)
             else:
                 await asyncio.sleep(delay)  # a member that exits at once is not restarted in a loop
