@@ -422,13 +422,17 @@ class Node:
             )
             admin.bind_store_metrics(self.store)
             log.info(
-                "recovered %d messages from %s: %s, then %d records of the log replayed",
+                "recovered %d messages from %s: %s, then %d records of the log replayed (in "
+                "%.2f s: the checkpoint %.2f s, the replay %.2f s)",
                 result.messages,
                 self.cfg.data_dir,
                 "no checkpoint"
                 if result.from_checkpoint is None
                 else f"a checkpoint naming {result.from_checkpoint}",
                 result.records,
+                result.seconds,
+                result.checkpoint_seconds,
+                result.replay_seconds,
             )
             self.not_applied = list(result.not_applied)
             if result.exclusive_dropped:

@@ -140,6 +140,12 @@ class Recovered:
     exclusive_dropped: list[str] = field(default_factory=list)
     # Messages a checkpoint named (in memory or in pages), or None when none was used.
     from_checkpoint: int | None = None
+    # Seconds taken: reading and loading the checkpoint, replaying the log after it, and in
+    # all (what is left: the live index made from what was replayed, and the first
+    # checkpoint after a long replay).
+    checkpoint_seconds: float = 0.0
+    replay_seconds: float = 0.0
+    seconds: float = 0.0
 
 
 class _Carry:
@@ -1701,6 +1707,7 @@ class Store:
         self.broker, self.sequencer, self.loop = broker, sequencer, loop
         self.dir.mkdir(parents=True, exist_ok=True)
         result = Recovered()
+        began = time.monotonic()
         paths = sorted(self.dir.glob("*.seg"))
         # A reused segment is known by its name (`REUSED_SUFFIX`), and read with its salt. A
         # spare is a consumed segment: written into or not, it holds nothing the log needs.
@@ -1739,6 +1746,8 @@ class Store:
                     lasts[resume_seg] = checkpoint.get("last", -1)
                 except apply.NotApplied as exc:
                     log.error("checkpoint not applied (%s): replaying the whole log", exc)
+            replaying = time.monotonic()
+            result.checkpoint_seconds = replaying - began
             for i, path in enumerate(paths):
                 seg = _number(path)
                 self.segments[seg] = 0
@@ -1793,6 +1802,7 @@ class Store:
                         self.salts.pop(_number(later), None)
                         result.set_aside.append(str(aside))
                     break
+            result.replay_seconds = time.monotonic() - replaying
             # Their owners' connections died with the process (as RabbitMQ deletes them).
             result.exclusive_dropped = apply.drop_exclusive(broker)
             # What is live: the messages the queues hold in memory, and their pages.
@@ -1846,6 +1856,7 @@ class Store:
             self.segments[self.active] = 0
         if self.checkpoint_records and result.records >= self.checkpoint_records:
             self.checkpoint()  # the next start need not replay all that again
+        result.seconds = time.monotonic() - began
         return result
 
     def _cut(self, path: Path, at: int, result: Recovered, why: str) -> None:
