@@ -227,6 +227,41 @@ def test_a_message_a_checkpoint_names_that_cannot_be_read_is_set_aside(tmp_path:
     assert (tmp_path / "log" / "not-applied" / "1-3.rec").read_bytes() == bad
 
 
+def test_a_members_start_checks_each_message_a_checkpoint_names_by_its_frame_alone(
+    tmp_path: Path,
+) -> None:
+    """A member's start checks the checksum of each message of a pageable queue's head that a
+    checkpoint names, reading its frame alone from the mapped segment (not the whole
+    segment): one whose body was damaged is named corrupt at its place, for the primary to
+    send; the others stay in the log, in order. (They expire: a checkpoint names such
+    messages one by one, not as pages.)"""
+
+    def expiring(i: int) -> bytes:
+        body = str(i).encode().rjust(16, b"0")
+        m = Message("", "q", b"\x00\x01q", b"\x11\x00\x02\x0560000", body, len(body))
+        m.mid = records.mid(1, i)
+        return records.frame(records.ENQUEUE, 1, i, records.enqueue("/", "q", m))
+
+    seg = write_log(tmp_path, declare(), *(expiring(i) for i in range(2, 7)))
+    store, _broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1, keep_ids=True)
+    store._write_checkpoint(store._captured(), 1, store.generation)
+    store.close()
+    data = bytearray(seg.read_bytes())
+    at = data.find(expiring(4))
+    data[at + len(expiring(4)) - 1] ^= 0xFF  # the last byte of its body
+    seg.write_bytes(bytes(data))
+    seq = Sequencer()
+    broker = Broker(seq)
+    store = Store(tmp_path, fsync=False, page_bytes=1 << 20, checkpoint_records=1, keep_ids=True)
+    seq.disk = store
+    loop = asyncio.new_event_loop()
+    LOOPS[-1].append(loop)
+    result = store.open(broker, seq, loop, stop_at_corrupt=True)
+    assert result.from_checkpoint == 4 and result.records == 0
+    assert [(c.where, c.offset) for c in result.corrupt] == [(str(seg), at)]
+    assert bodies(broker.vhost("/").queues["q"]) == [2, 3, 5, 6]
+
+
 def test_pages_of_a_queue_deleted_and_declared_again_in_the_log_are_released(
     tmp_path: Path,
 ) -> None:
