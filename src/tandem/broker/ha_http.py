@@ -137,15 +137,17 @@ class HttpObserver:
                 members.append(Member(p.node, Liveness.DOWN))
                 continue
             answered = p.last_answer != before[p.node]  # since the last look
+            if p.status and p.last_answer < p.started:
+                # Restarted, and not answering yet (what it said, if in this look, its last
+                # life said): that life ended and took its memory and its link with it.
+                # Taken for silent, a backup killed and restarted by the local cluster before
+                # the controller's next look stayed in the ISR for the failover delay, and
+                # the primary waited for it (issue 16). The operator forgets a pod's status
+                # when it sees it start again: that pod was down while it did not run.
+                members.append(Member(p.node, Liveness.DOWN))
+                continue
             if not answered and (not p.status or p.last_answer < p.started):
-                if p.status:
-                    # Restarted, and not answering yet: the life that answered ended, and
-                    # took its memory and its link with it. Taken for silent, a backup killed
-                    # and restarted before the controller's next look stayed in the ISR for
-                    # the failover delay, and the primary waited for it (issue 16).
-                    members.append(Member(p.node, Liveness.DOWN))
-                    continue
-                since = max(p.last_answer, p.started)  # nothing seen of any life yet
+                since = max(p.last_answer, p.started)  # nothing seen of this life yet
                 members.append(Member(p.node, Liveness.SILENT, silent_for=now - since))
                 continue
             # Silent, a member is what it last answered (a paused primary is still the

@@ -141,9 +141,9 @@ class Recovered:
     exclusive_dropped: list[str] = field(default_factory=list)
     # Messages a checkpoint named (in memory or in pages), or None when none was used.
     from_checkpoint: int | None = None
-    # Seconds taken: reading and loading the checkpoint, replaying the log after it, and in
-    # all (what is left: the live index made from what was replayed, and the first
-    # checkpoint after a long replay).
+    # Seconds taken: before the replay (reading and loading the checkpoint, mostly), by the
+    # replay of the log after it, and in all (what is left: the live index made from what
+    # was replayed, and the first checkpoint after a long replay).
     checkpoint_seconds: float = 0.0
     replay_seconds: float = 0.0
     seconds: float = 0.0
@@ -2512,7 +2512,11 @@ def _rename_once(src: Path, dst: Path) -> None:
 
 
 class _Mapped:
-    """A segment mapped for reading frames here and there in it (`frame`)."""
+    """A segment mapped for reading frames here and there in it (`frame`). A disk that
+    cannot read a mapped page ends the process (SIGBUS) where a read raised OSError; a start
+    that meets such a disk would not get far either. Nothing truncates the segment while it
+    is mapped: the start maps it before its replay cuts anything, and holds the data dir's
+    lock."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -2537,8 +2541,11 @@ class _Mapped:
         head = mapped[pos : pos + records.HDR_SIZE]
         if len(head) < records.HDR_SIZE:
             return head
-        length = records.REC_HDR.unpack(head)[1]
-        return mapped[pos : pos + records.HDR_SIZE + min(length, records.MAX_RECORD)]
+        length: int = records.REC_HDR.unpack(head)[1]
+        end = pos + records.HDR_SIZE + length
+        if end > len(mapped):
+            return head  # past the end: `problem_at` says so from the header alone
+        return mapped[pos:end]
 
 
 def _read_from(path: Path, base: int, whole: bool) -> tuple[bytes, bool]:
