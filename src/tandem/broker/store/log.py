@@ -1589,9 +1589,9 @@ class Store:
                 continue  # consumed, or carried forward, after the resume point
             with _Mapped(path) as mapped:
                 for q, mid, pos in entries:
-                    # Each message's frame alone, from the page cache: read whole, the
-                    # segment (64 MiB) cost a member's start under load a fifth of its CPU,
-                    # in the kernel zeroing and copying pages for bytes it mostly did not use.
+                    # Each message's frame alone, from the page cache: reading the whole
+                    # segment (64 MiB) had the kernel zero and fill pages for bytes the start
+                    # mostly did not use, a third of the checkpoint's CPU (issue 16).
                     data = mapped.frame(pos)
                     if self.page_bytes and q.pageable:
                         # Left in the log, read when the queue gets to it: a start need not
