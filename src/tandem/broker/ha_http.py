@@ -146,8 +146,8 @@ class HttpObserver:
                 # when it sees it start again: that pod was down while it did not run.
                 members.append(Member(p.node, Liveness.DOWN))
                 continue
-            if not answered and (not p.status or p.last_answer < p.started):
-                since = max(p.last_answer, p.started)  # nothing seen of this life yet
+            if not answered and not p.status:
+                since = max(p.last_answer, p.started)  # nothing seen of any life yet
                 members.append(Member(p.node, Liveness.SILENT, silent_for=now - since))
                 continue
             # Silent, a member is what it last answered (a paused primary is still the
