@@ -23,7 +23,7 @@ from tandem.broker.model.message import Message
 from tandem.broker.model.queue import Queue
 from tandem.broker.model.shards import SHARDS, SPLIT_AT
 from tandem.broker.store import log as log_mod
-from tandem.broker.store.log import Store
+from tandem.broker.store.log import Recovered, Store
 
 PERSISTENT = b"\x10\x00\x02"  # property flags: delivery-mode present; delivery-mode 2
 
@@ -40,6 +40,15 @@ def enqueue(mid: int, queue: str = "q", body: bytes | None = None) -> bytes:
     m = Message("", queue, route, PERSISTENT, body, len(body))
     m.mid = records.mid(1, mid)
     return records.frame(records.ENQUEUE, 1, mid, records.enqueue("/", queue, m))
+
+
+def expiring(mid: int) -> bytes:
+    """An ENQUEUE to q of a message with an expiration: a checkpoint names such a message one
+    by one, never in a page of the head around it."""
+    body = str(mid).encode().rjust(16, b"0")
+    m = Message("", "q", b"\x00\x01q", b"\x11\x00\x02\x0560000", body, len(body))
+    m.mid = records.mid(1, mid)
+    return records.frame(records.ENQUEUE, 1, mid, records.enqueue("/", "q", m))
 
 
 def keyed(rtype: int, mid: int, queue: str = "q", offset: int = 0) -> bytes:
@@ -67,14 +76,27 @@ def recover(
     clock: Callable[[], float] = time.monotonic,
     **settings: int,
 ) -> tuple[Store, Broker]:
+    store, broker, _result = recovered(tmp_path, page_bytes, clock, **settings)
+    return store, broker
+
+
+def recovered(
+    tmp_path: Path,
+    page_bytes: int = 1,
+    clock: Callable[[], float] = time.monotonic,
+    stop_at_corrupt: bool = False,
+    **settings: int,
+) -> tuple[Store, Broker, Recovered]:
+    """`recover`, with what the start says it did, as a lone node (or, `stop_at_corrupt`, a
+    cluster member) starts."""
     seq = Sequencer()
     broker = Broker(seq)
     store = Store(tmp_path, fsync=False, page_bytes=page_bytes, clock=clock, **settings)
     seq.disk = store
     loop = asyncio.new_event_loop()
     LOOPS[-1].append(loop)
-    store.open(broker, seq, loop)
-    return store, broker
+    result = store.open(broker, seq, loop, stop_at_corrupt=stop_at_corrupt)
+    return store, broker, result
 
 
 def write_log(tmp_path: Path, *frames: bytes) -> Path:
@@ -235,13 +257,6 @@ def test_a_members_start_checks_each_message_a_checkpoint_names_by_its_frame_alo
     segment): one whose body was damaged is named corrupt at its place, for the primary to
     send; the others stay in the log, in order. (They expire: a checkpoint names such
     messages one by one, not as pages.)"""
-
-    def expiring(i: int) -> bytes:
-        body = str(i).encode().rjust(16, b"0")
-        m = Message("", "q", b"\x00\x01q", b"\x11\x00\x02\x0560000", body, len(body))
-        m.mid = records.mid(1, i)
-        return records.frame(records.ENQUEUE, 1, i, records.enqueue("/", "q", m))
-
     seg = write_log(tmp_path, declare(), *(expiring(i) for i in range(2, 7)))
     store, _broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1, keep_ids=True)
     store._write_checkpoint(store._captured(), 1, store.generation)
@@ -250,13 +265,9 @@ def test_a_members_start_checks_each_message_a_checkpoint_names_by_its_frame_alo
     at = data.find(expiring(4))
     data[at + len(expiring(4)) - 1] ^= 0xFF  # the last byte of its body
     seg.write_bytes(bytes(data))
-    seq = Sequencer()
-    broker = Broker(seq)
-    store = Store(tmp_path, fsync=False, page_bytes=1 << 20, checkpoint_records=1, keep_ids=True)
-    seq.disk = store
-    loop = asyncio.new_event_loop()
-    LOOPS[-1].append(loop)
-    result = store.open(broker, seq, loop, stop_at_corrupt=True)
+    _store, broker, result = recovered(
+        tmp_path, 1 << 20, stop_at_corrupt=True, checkpoint_records=1, keep_ids=True
+    )
     assert result.from_checkpoint == 4 and result.records == 0
     assert [(c.where, c.offset) for c in result.corrupt] == [(str(seg), at)]
     assert bodies(broker.vhost("/").queues["q"]) == [2, 3, 5, 6]
@@ -348,11 +359,7 @@ def test_a_message_named_alone_inside_a_head_keeps_its_place_after_a_start(tmp_p
     """Message 3 has an expiration, so the checkpoint names it one by one, not in a page of
     the head around it: the head's pages are cut there, and a start puts 3 back between 2
     and 4 (a page of 2-9 had put it after 9)."""
-    body = b"3".rjust(16, b"0")
-    expiring = Message("", "q", b"\x00\x01q", b"\x11\x00\x02\x0560000", body, len(body))
-    expiring.mid = records.mid(1, 3)
-    three = records.frame(records.ENQUEUE, 1, 3, records.enqueue("/", "q", expiring))
-    write_log(tmp_path, declare(), enqueue(2), three, *(enqueue(i) for i in range(4, 10)))
+    write_log(tmp_path, declare(), enqueue(2), expiring(3), *(enqueue(i) for i in range(4, 10)))
     store, _broker = recover(tmp_path, page_bytes=1 << 20, checkpoint_records=1)
     store._write_checkpoint(store._captured(), 1, store.generation)
     store.close()
