@@ -95,7 +95,14 @@ def recovered(
     seq.disk = store
     loop = asyncio.new_event_loop()
     LOOPS[-1].append(loop)
+    told = store.predict()
+    checkpoint = (store.dir / "checkpoint").exists()
     result = store.open(broker, seq, loop, stop_at_corrupt=stop_at_corrupt)
+    # What a restarted member tells its primary before it loads (`Store.predict`): its start
+    # recovers exactly that, unless it found its checkpoint unusable (it then says Hello
+    # again), or it is not told.
+    if told is not None and not (checkpoint and result.from_checkpoint is None):
+        assert told == (seq.offset, seq.boundaries)
     return store, broker, result
 
 
@@ -128,6 +135,49 @@ class Taker:
 
     def cancelled_by_broker(self, queue: Queue) -> None:
         pass
+
+
+def in_epoch(epoch: int, offset: int, more: bool = False) -> bytes:
+    """An ENQUEUE to q at (`epoch`, `offset`); `more`: a transaction's record, not its last."""
+    body = str(offset).encode().rjust(16, b"0")
+    m = Message("", "q", b"\x00\x01q", PERSISTENT, body, len(body))
+    m.mid = records.mid(epoch, offset)
+    return records.frame(records.ENQUEUE, epoch, offset, records.enqueue("/", "q", m), more=more)
+
+
+def test_a_start_recovers_the_end_and_epochs_it_predicted_before_loading(tmp_path: Path) -> None:
+    """A restarted member tells its primary its log's end and where each epoch began before
+    it loads its store (`Store.predict`), from the checkpoint's head and a scan of the
+    records after it: the start then recovers exactly that, across epochs, with a checkpoint
+    and records after it, and with a torn tail. Where the start would cut records off (a
+    transaction cut short, a corrupt record) it predicts nothing."""
+    seg = write_log(tmp_path, declare(), *(in_epoch(1, i) for i in range(1, 4)))
+    seg.write_bytes(seg.read_bytes() + in_epoch(2, 4) + in_epoch(2, 5))
+    told = Store(tmp_path, fsync=False, checkpoint_records=1000).predict()
+    assert told == (5, [(1, 1), (2, 4)])
+    store, _broker, _result = recovered(tmp_path, stop_at_corrupt=True, checkpoint_records=1)
+    assert store.sequencer is not None and store.sequencer.offset == 5
+    checkpointed(store)  # names offsets up to 5
+    store.close()
+    with seg.open("ab") as f:  # records after the checkpoint, in a later epoch, a torn tail
+        f.write(in_epoch(2, 6) + in_epoch(4, 7) + in_epoch(4, 8)[:20])
+    told = Store(tmp_path, fsync=False, checkpoint_records=1000).predict()
+    assert told == (7, [(1, 1), (2, 4), (4, 7)])
+    store, _broker, result = recovered(tmp_path, stop_at_corrupt=True, checkpoint_records=1000)
+    assert result.from_checkpoint is not None  # the prediction read the checkpoint's head
+    assert store.sequencer is not None
+    assert (store.sequencer.offset, store.sequencer.boundaries) == told
+    store.close()
+    unfinished = in_epoch(4, 8, more=True)
+    with seg.open("ab") as f:
+        f.write(unfinished)
+    assert Store(tmp_path, fsync=False, checkpoint_records=1000).predict() is None
+    data = seg.read_bytes()
+    cut = data[: len(data) - len(unfinished)]
+    flipped = bytearray(in_epoch(4, 8))
+    flipped[-1] ^= 0xFF
+    seg.write_bytes(cut + bytes(flipped) + in_epoch(4, 9))
+    assert Store(tmp_path, fsync=False, checkpoint_records=1000).predict() is None
 
 
 def test_a_record_carried_forward_lands_in_its_place_not_after_the_pages(tmp_path: Path) -> None:

@@ -483,7 +483,15 @@ def _opened(
     broker = Broker(seq)
     store = Store(where, **{"fsync": False, **config})
     seq.disk = store
-    return seq, broker, store, store.open(broker, seq, loop, stop_at_corrupt=stop_at_corrupt)
+    told = store.predict()
+    checkpoint = (store.dir / "checkpoint").exists()
+    recovered = store.open(broker, seq, loop, stop_at_corrupt=stop_at_corrupt)
+    # What a restarted member tells its primary before it loads (`Store.predict`): its start
+    # recovers exactly that, unless its checkpoint turned out unusable (it then says Hello
+    # again), or it is not told.
+    if told is not None and not (checkpoint and recovered.from_checkpoint is None):
+        assert told == (seq.offset, seq.boundaries)
+    return seq, broker, store, recovered
 
 
 async def _on_disk(seq: Sequencer) -> None:
@@ -684,6 +692,10 @@ def test_pages_checkpoints_and_carried_records_are_read_with_their_segments_salt
         )
     assert "compaction: carried 1 live messages" in caplog.text
     want = [_big(500), *(_big(i) for i in deep), *(_big(i) for i in range(87, 90))]
+    # A restarted member tells its primary its end before it loads, from the checkpoint's
+    # resume point on, in a segment written over as well (`Store.predict`).
+    told = Store(tmp_path / "log-of", checkpoint_records=10, segment_bytes=150_000).predict()
+    assert told is not None and told[0] > 0
     for page_bytes in (0, 1):  # held in memory; paged, and read back as they are taken
         copy = tmp_path / f"paged-{page_bytes}"
         shutil.copytree(tmp_path / "log-of", copy)

@@ -1443,6 +1443,76 @@ class Store:
         except OSError as exc:  # only their space is not freed; the next start deletes them
             log.warning("cannot delete the parts of an old checkpoint in %s: %s", self.dir, exc)
 
+    def predict(self) -> tuple[int, list[tuple[int, int]]] | None:
+        """The end and the epoch boundaries a start (`open`) is to recover, told before it
+        loads anything: the checkpoint's head, then the records after its resume point,
+        scanned (their checksums checked) and not applied. A cluster member that restarted
+        tells its primary these at once, and the primary makes the member's copy while the
+        member loads (`Member`). A guess, which the member checks against what it loaded; None
+        where the start would cut something short (a corrupt record, an unfinished
+        transaction), where the checkpoint's head cannot be used, and where more than two
+        segments follow it (no checkpoint: the whole log), which a prediction would read
+        twice. Called before `open`."""
+        paths = sorted(self.dir.glob("*.seg"))
+        # As `open` reads them (which sets them again): a reused segment with its salt.
+        self.salts = {
+            _number(p): records.salt(_number(p)) for p in paths if p.name.endswith(REUSED_SUFFIX)
+        }
+        boundaries: list[tuple[int, int]] = []
+        end = resume_seg = resume_pos = 0
+        if self.checkpoint_records and (self.dir / "checkpoint").exists():
+            raw = (self.dir / "checkpoint").read_bytes()
+            head = len(CHECKPOINT_MAGIC)
+            text = raw[head + 4 :]
+            try:
+                if raw[:head] != CHECKPOINT_MAGIC or zlib.crc32(text) != int.from_bytes(
+                    raw[head : head + 4], "big"
+                ):
+                    return None
+                body = json.loads(text)
+                end = int(body["offset"])
+                boundaries = [(int(e), int(o)) for e, o in body["boundaries"]]
+                resume_seg, resume_pos = (int(x) for x in body["resume"])
+                last = int(body.get("last", -1))
+            except (ValueError, KeyError, TypeError):
+                return None
+            # As `_read_checkpoint` checks it: otherwise the start replays the whole log.
+            path = self._path(resume_seg)
+            if not path.exists() or path.stat().st_size < resume_pos:
+                return None
+            if resume_pos and last >= 0 and not self._ends_at(resume_seg, last, resume_pos):
+                return None
+        after = [p for p in paths if _number(p) >= resume_seg]
+        if sum(p.stat().st_size for p in after) - resume_pos > 2 * self.segment_bytes:
+            return None  # read twice, more would slow the start down (sizes: with the space
+            # allocated ahead of the records, `_allocate`)
+        for path in after:
+            seg = _number(path)
+            base = resume_pos if seg == resume_seg else 0
+            for whole in (False, True):
+                data, more = _read_from(path, base, whole)
+                found, _good_end, corrupt, torn = records.scan(
+                    data, str(path), True, None, self.salts.get(seg, 0)
+                )
+                if not (torn and more):
+                    break
+            if corrupt:
+                return None
+            for _rtype, epoch, offset, _payload in found:
+                if offset > end:  # as the replay follows them (`_replay_one`)
+                    if not boundaries or boundaries[-1][0] != epoch:
+                        boundaries.append((epoch, offset))
+                    end = offset
+            if found and found[-1][0] & records.MORE:
+                return None  # a transaction cut short: the start cuts it off
+        # As `open` merges them: where each epoch began, as the epochs file knows it.
+        known = [(e, o) for e, o in self._read_epochs() if o <= end]
+        if known:
+            merged = dict(known)
+            merged.update((e, o) for e, o in boundaries if e not in merged)
+            boundaries = sorted(merged.items(), key=lambda eo: (eo[1], eo[0]))
+        return end, boundaries
+
     def _read_checkpoint(self) -> dict[str, Any] | None:
         path = self.dir / "checkpoint"
         if not path.exists():
