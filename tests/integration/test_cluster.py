@@ -70,6 +70,13 @@ def whole_again(member: dict[str, Any]) -> bool:
     return code == 200 and status["whole"] is True
 
 
+def switched_to(c: LocalCluster, node: str) -> None:
+    """`tandem cluster switchover --to node`, and the cluster served by it."""
+    out = tandem("cluster", "switchover", "--to", node, "--url", f"http://127.0.0.1:{c.admin_port}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    c.wait_for(lambda s: s["primary"] == node and s["serving"], "the switchover")
+
+
 def drain(c: LocalCluster, queue: str) -> list[int]:
     return [int(body.split()[-1]) for body in support.drain(connect(c), queue)]
 
@@ -187,7 +194,8 @@ def test_a_killed_backup_restarts_from_its_checkpoint_and_serves_every_message(
     """A member checkpoints as a lone node does: after kill -9, a backup loads its
     checkpoint and replays only the log after it, takes from the primary what it lacks (the
     transient messages), comes back into the ISR, and, made primary, serves every message
-    in order."""
+    in order. It tells the primary its log's end before it loads (`Store.predict`), and
+    takes the copy the primary made meanwhile."""
     config = tmp_path / "tandem.yaml"
     config.write_text("checkpoint_records: 100\n")
     c = LocalCluster(tmp_path / "c", 3, "--config", str(config)).start()
@@ -212,17 +220,45 @@ def test_a_killed_backup_restarts_from_its_checkpoint_and_serves_every_message(
         # 300 persistent messages and a few hundred more records in all; the checkpoint
         # named most of them, and the replay took only what came after it.
         assert int(named.group(1)) > 0 and int(named.group(2)) < 300, line
-        out = tandem(
-            "cluster",
-            "switchover",
-            "--to",
-            backup["node"],
-            "--url",
-            f"http://127.0.0.1:{c.admin_port}",
-        )
-        assert out.returncode == 0, out.stdout + out.stderr
-        c.wait_for(lambda s: s["primary"] == backup["node"] and s["serving"], "the switchover")
+        assert "as told to the primary before loading" in log, log
+        switched_to(c, backup["node"])
         assert drain(c, "cq") == list(range(50, 640))
+    finally:
+        c.stop()
+    assert BUG_PHRASE not in c.logs(), c.logs()
+
+
+def test_a_backup_that_loads_other_than_it_told_its_primary_says_hello_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted backup tells its primary the end its start is to recover before it
+    loads (`Store.predict`). When the load ends elsewhere (a test fault makes the end told
+    one record short), the primary's answer is for a state the backup does not hold: it is
+    dropped, the backup says Hello again with what it holds, and, made primary, serves every
+    message once, in order."""
+    monkeypatch.setenv("TANDEM_TEST_FAULT_PREDICT_SHORT", "1")
+    config = tmp_path / "tandem.yaml"
+    config.write_text("checkpoint_records: 100\n")
+    c = LocalCluster(tmp_path / "c", 3, "--config", str(config)).start()
+    try:
+        publish(c, "cq", range(300))  # odd ids persistent, even ids transient
+        backup = next(m for m in c.cluster()["members"] if m["role"] == "backup")
+        os.kill(backup["pid"], signal.SIGKILL)
+        publish(c, "cq", range(300, 340))
+        c.wait_for(
+            lambda s: backup["node"] in s["isr"] and whole_again(backup),
+            "the killed backup whole again and in the ISR",
+        )
+        log = (c.data_dir / backup["node"] / "broker.log").read_text()
+        again = re.search(r"loaded up to offset (\d+), not as told to the primary; saying", log)
+        assert again is not None, log
+        # The primary made the difference twice: from the end told, then from the end held.
+        primary = (c.data_dir / c.cluster()["primary"] / "broker.log").read_text()
+        made = re.findall(r"a follower restarted at offset (\d+)", primary)
+        held = int(again.group(1))
+        assert str(held - 1) in made and str(held) in made, made
+        switched_to(c, backup["node"])
+        assert drain(c, "cq") == list(range(340))
     finally:
         c.stop()
     assert BUG_PHRASE not in c.logs(), c.logs()

@@ -52,6 +52,9 @@ class Node(Protocol):
     def ready(self) -> bool: ...
 
     @property
+    def loaded(self) -> asyncio.Event: ...
+
+    @property
     def role(self) -> str: ...
 
     @property
@@ -252,6 +255,8 @@ def make_app(node: Node) -> web.Application:
                     401, "the HA commands need 'Authorization: Bearer <cluster key>'"
                 )
             return await handler(request)
+        if request.path.startswith("/api/") and not node.loaded.is_set():
+            return _json_error(503, "this node is starting: its store is not loaded yet")
         if (
             node.role == "backup"
             and request.path.startswith("/api/")
@@ -306,6 +311,8 @@ def make_app(node: Node) -> web.Application:
             if what == "fence":
                 answer = member.fence(int(body["epoch"]))
             elif what == "promote":
+                if not node.loaded.is_set():  # said Hello before loading (`Node.run`)
+                    return _json_error(503, "this member's store is not loaded yet")
                 answer = member.promote(ElectionRecord.from_dict(body["record"]))
             elif what == "record":
                 answer = member.inform(
@@ -532,8 +539,12 @@ def _valid(model: type[M], data: dict[str, Any]) -> M:
         raise _bad_request(spec.describe(exc)) from None
 
 
-async def start(node: Node, host: str, port: int) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(make_app(node), access_log=None)
+async def start(
+    node: Node, host: str, port: int, shutdown_timeout: float = 60.0
+) -> tuple[web.AppRunner, int]:
+    """The admin API, listening; `shutdown_timeout`: how long its cleanup waits for the
+    requests under way."""
+    runner = web.AppRunner(make_app(node), access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

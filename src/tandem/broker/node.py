@@ -15,6 +15,8 @@ import ssl
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
+from aiohttp import web
+
 from tandem import _compiled, errors
 from tandem.broker import admin, server
 from tandem.broker.config import Config
@@ -25,6 +27,7 @@ from tandem.broker.model.spec import UserSpec
 from tandem.broker.protocol import channel as channel_mod
 from tandem.broker.protocol import connection as conn_mod
 from tandem.broker.replication import member as member_mod
+from tandem.broker.replication.core import Boundaries
 from tandem.broker.status import NodeStatus, QueueStatus
 from tandem.broker.store.files import replace_file
 from tandem.broker.store.lock import DataDirLock
@@ -39,6 +42,13 @@ QUEUE_MEMORY_FLOOR = 32 * 1024 * 1024
 # Messages queued under which a full garbage collection may walk everything (a thaw,
 # broker/collector.py): 200,000 take about 0.1 s to walk.
 QUIET_MESSAGES = 200_000
+# How long a restarted member waits, before it loads its store, for the controller to have it
+# follow its primary and its Hello to go out (`Node._hello_first`): at most the first, and no
+# longer than the second after the controller's first look at it (`/status?brief=1`), which it
+# answers with a follow at once where there is a primary; a decision that comes first (every
+# 0.1 s in a local cluster, 0.4 s by default on Kubernetes) puts it off by a look.
+HELLO_WAIT_SECONDS = 1.0
+HELLO_WAIT_AFTER_LOOK = 0.5
 
 
 def _machine_memory() -> int:
@@ -54,6 +64,11 @@ def _rss() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+async def _joined(task: asyncio.Task[None]) -> None:
+    """Wait for a task started before the task group that waits for it."""
+    await task
 
 
 def _raise_fd_limit(wanted: int) -> int:
@@ -146,6 +161,10 @@ class Node:
         self.reply_to: dict[str, channel_mod.Consumer] = {}
         self.connections: set[server.AMQPProtocol] = set()
         self.ready = False
+        # The store is loaded: a member started before it was (`Member.loaded`) answers its
+        # controller meanwhile, and promotes itself only once it is.
+        self.loaded = asyncio.Event()
+        self.looked = asyncio.Event()  # `/status?brief=1` answered: the controller looked
         self.amqp_port = 0
         self.tls_port: int | None = None
         self.amqps_context: ssl.SSLContext | None = None
@@ -322,6 +341,8 @@ class Node:
         return queued < QUIET_MESSAGES
 
     def status(self, brief: bool = False) -> NodeStatus:
+        if brief:
+            self.looked.set()  # by the controller (`ha_http`)
         journal = self.broker.journal
         queues = (
             []
@@ -413,6 +434,25 @@ class Node:
         if os.environ.get("TANDEM_TEST_FAULT_NOT_APPLIED"):
             apply.UNAPPLIABLE = os.environ["TANDEM_TEST_FAULT_NOT_APPLIED"]
             log.warning("TEST FAULT: records declaring %s do not apply", apply.UNAPPLIABLE)
+        member_run: asyncio.Task[None] | None = None
+        lost = False  # recovery left out something the log names
+        told = self._predict()
+        if told is not None:
+            # A member restarted with records: the controller may have it follow its primary
+            # before its store is loaded. It tells the primary the end its start is to
+            # recover, and the primary makes its copy while it loads (`Member.loaded`): the
+            # loop is held by the load, not by the wait for the copy after it.
+            self.member = await self._start_member(told)
+            member_run = asyncio.create_task(self.member.run(stop))
+            if self.member.log.restarted:  # else its Hello needs the state loaded
+                early, self.admin_port = await self._start_admin(cfg.admin_port, 1.0)
+                try:
+                    await self._hello_first(self.member)
+                finally:
+                    # Closed while the load holds the loop: a look at it would wait for an
+                    # answer, and the controller's decisions with it, where a refusal is
+                    # at once (`ha_http`).
+                    await early.cleanup()
         if self.store is not None:
             result = self.store.open(
                 self.broker, self.sequencer, loop, stop_at_corrupt=self.cluster_key is not None
@@ -440,41 +480,24 @@ class Node:
                     "exclusive queues gone with their connections: %s",
                     ", ".join(result.exclusive_dropped),
                 )
-        if self.cluster_key is None:
+            if self.cluster_key is not None and (result.corrupt or result.not_applied):
+                # Its state is not all its records say (a message a checkpoint named was
+                # left out): the primary needs its digest, not its log's end (`digest`).
+                lost = True
+        if self.cluster_key is not None:
+            if self.member is None:
+                self.member = await self._start_member(None)
+            if lost:
+                self.member.log.lost = True
+            self.member.loaded()
+        else:
             # A lone node that (re)starts serving is a new primary term: nothing it records
             # now can share a position with a record of an earlier life that did not reach
             # the disk. A cluster member's terms come from the controller.
             self.sequencer.begin_term(self.sequencer.epoch + 1)
-        else:
-            self.member = member_mod.Member(
-                cfg.node_id,
-                self.broker,
-                self.sequencer,
-                self.store,
-                self,
-                key=self.cluster_key,
-                data_dir=cfg.data_dir,
-                isr_min=cfg.isr_min,
-                lease=cfg.lease_seconds,
-                host=cfg.replication_host,
-                port=cfg.replication_port or 0,
-                server_ssl=self._tls_context() if cfg.replication_tls else None,
-                client_ssl=self._client_tls() if cfg.replication_tls else None,
-            )
-            self.member.log.on_auth = self.save_auth
-            if self.store is not None and (result.corrupt or result.not_applied):
-                # Its state is not all its records say (a message a checkpoint named was
-                # left out): the primary needs its digest, not its log's end (`digest`).
-                self.member.log.lost = True
-            await _listen(
-                "replication",
-                "--replication-port (or replication_port)",
-                cfg.replication_host,
-                cfg.replication_port or 0,
-                self.member.start(),
-            )
         if self.definitions is not None:
             definitions.apply_entities(self.broker, self.definitions, str(self.cfg.definitions))
+        self.loaded.set()
         fds = _raise_fd_limit(cfg.max_connections + 256)
         if fds < cfg.max_connections + 64:
             log.warning(
@@ -519,19 +542,15 @@ class Node:
             )
             self.tls_port = amqps.sockets[0].getsockname()[1]
             servers.append(amqps)
-        runner, self.admin_port = await _listen(
-            "the admin API",
-            "--admin-port (or admin_port)",
-            cfg.admin_host,
-            cfg.admin_port,
-            admin.start(self, cfg.admin_host, cfg.admin_port),
-        )
+        runner, self.admin_port = await self._start_admin(self.admin_port or cfg.admin_port)
         self._announce()
         self.ready = True
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._every(SWEEP_SECONDS, self._sweep, stop))
-                if self.member is not None:
+                if member_run is not None:
+                    tg.create_task(_joined(member_run))
+                elif self.member is not None:
                     tg.create_task(self.member.run(stop))
                 if cfg.front_socket is not None:
                     tg.create_task(server.receive_sockets(str(cfg.front_socket), self._adopt, stop))
@@ -552,6 +571,85 @@ class Node:
                 self.store.close()
             if self.lock is not None:
                 self.lock.release()
+
+    async def _start_member(self, predicted: tuple[int, Boundaries] | None) -> member_mod.Member:
+        """This cluster member's replication, listening; with the end and boundaries its
+        store is to recover (`Store.predict`) while it is not loaded yet."""
+        cfg = self.cfg
+        member = member_mod.Member(
+            cfg.node_id,
+            self.broker,
+            self.sequencer,
+            self.store,
+            self,
+            key=self.cluster_key or b"",
+            data_dir=cfg.data_dir,
+            isr_min=cfg.isr_min,
+            lease=cfg.lease_seconds,
+            host=cfg.replication_host,
+            port=cfg.replication_port or 0,
+            server_ssl=self._tls_context() if cfg.replication_tls else None,
+            client_ssl=self._client_tls() if cfg.replication_tls else None,
+            predicted=predicted,
+        )
+        member.log.on_auth = self.save_auth
+        await _listen(
+            "replication",
+            "--replication-port (or replication_port)",
+            cfg.replication_host,
+            cfg.replication_port or 0,
+            member.start(),
+        )
+        return member
+
+    async def _hello_first(self, member: member_mod.Member) -> None:
+        """Before a restarted member loads its store: wait for its Hello to go out to the
+        primary the controller has it follow, at most HELLO_WAIT_SECONDS, and at most
+        HELLO_WAIT_AFTER_LOOK after the controller first looked at it (no primary to follow:
+        a cluster starting)."""
+        said = asyncio.ensure_future(member.said_hello.wait())
+        looked = asyncio.ensure_future(self.looked.wait())
+        try:
+            loop = asyncio.get_running_loop()
+            until = loop.time() + HELLO_WAIT_SECONDS
+            await asyncio.wait(
+                {said, looked}, timeout=HELLO_WAIT_SECONDS, return_when=asyncio.FIRST_COMPLETED
+            )
+            if looked.done() and not said.done():
+                left = min(HELLO_WAIT_AFTER_LOOK, until - loop.time())
+                await asyncio.wait({said}, timeout=max(left, 0.0))
+        finally:
+            said.cancel()
+            looked.cancel()
+
+    async def _start_admin(
+        self, port: int, shutdown_timeout: float = 60.0
+    ) -> tuple[web.AppRunner, int]:
+        cfg = self.cfg
+        return await _listen(
+            "the admin API",
+            "--admin-port (or admin_port)",
+            cfg.admin_host,
+            port,
+            admin.start(self, cfg.admin_host, port, shutdown_timeout),
+        )
+
+    def _predict(self) -> tuple[int, Boundaries] | None:
+        """The end and boundaries a cluster member's store is to recover, told before it
+        loads (`Store.predict`); None for a lone node, an empty log, or nothing to tell."""
+        if self.cluster_key is None or self.store is None:
+            return None
+        try:
+            told = self.store.predict()
+        except Exception as exc:  # only a head start: the load reads the same files
+            log.warning("the log's end not told before loading it: %r", exc)
+            return None
+        if told is None or told[0] == 0:
+            return None
+        if os.environ.get("TANDEM_TEST_FAULT_PREDICT_SHORT"):
+            log.warning("TEST FAULT: the end told before loading is one record short")
+            return told[0] - 1, tuple(told[1])
+        return told[0], tuple(told[1])
 
     async def _adopt(self, sock: socket.socket, tls: bool) -> None:
         """A client the front port accepted (on its AMQPS port with `tls`): served here

@@ -59,10 +59,14 @@ class BrokerLog:
         *,
         window_bytes: int = WINDOW_BYTES,
         clock: Callable[[], float] = time.monotonic,
+        predicted: tuple[int, core.Boundaries] | None = None,
     ) -> None:
         self.broker = broker
         self.sequencer = sequencer
         self.store = store
+        # Until the store is loaded (`Member.loaded`), the end and boundaries its start is to
+        # recover (`Store.predict`): what a restarted member tells its primary meanwhile.
+        self.predicted = predicted
         # Frames shipped or applied, newest last: (offset, frame, when kept, the bytes kept
         # before it since the log began).
         self.window: collections.deque[tuple[int, bytes, float, int]] = collections.deque()
@@ -74,7 +78,7 @@ class BrokerLog:
         # messages on replicated queues): it is whole again once it took a full copy.
         # `restarted`: that is all it lost, so it holds exactly what its own durable records
         # say (`digest`), until anything else makes it not whole (`lost`).
-        self._lost = sequencer.offset > 0
+        self._lost = self.end > 0
         self.restarted = self._lost and not (store is not None and (store.dir / COPYING).exists())
         self.on_checkpoint: Callable[[int, int, dict[str, Any]], object] = lambda e, o, b: None
         self.on_auth: Callable[[], None] = lambda: None  # users changed: save them
@@ -96,11 +100,12 @@ class BrokerLog:
 
     @property
     def end(self) -> int:
-        return self.sequencer.offset
+        predicted = self.predicted
+        return self.sequencer.offset if predicted is None else predicted[0]
 
     @property
     def last_epoch(self) -> int:
-        bounds = self.sequencer.boundaries
+        bounds = self.boundaries()
         return bounds[-1][0] if bounds else 0
 
     @property
@@ -121,7 +126,8 @@ class BrokerLog:
         return False
 
     def boundaries(self) -> core.Boundaries:
-        return tuple(self.sequencer.boundaries)
+        predicted = self.predicted
+        return tuple(self.sequencer.boundaries) if predicted is None else predicted[1]
 
     def keep(self, offset: int, data: bytes) -> None:
         """A frame shipped (or applied) at `offset`: keep it for members catching up."""
@@ -175,6 +181,8 @@ class BrokerLog:
         among others (docs/performance.md)."""
         if brief and self.restarted:
             return [RESTARTED, self.end]
+        if self.predicted is not None:
+            return None  # nothing loaded yet to name: the member says Hello once loaded
         state = (self.end, self.installed)
         if self.digested is not None and self.digested[0] == state:
             return self.digested[1]  # a Hello repeated while the follower waits for its copy

@@ -163,6 +163,7 @@ class Member:
         port: int = 0,
         server_ssl: ssl.SSLContext | None = None,
         client_ssl: ssl.SSLContext | None = None,
+        predicted: tuple[int, core.Boundaries] | None = None,
     ) -> None:
         self.node = node
         self.broker = broker
@@ -173,7 +174,13 @@ class Member:
         self.host, self.port = host, port
         self.server_ssl, self.client_ssl = server_ssl, client_ssl
         self.state = State(data_dir / "cluster.json" if data_dir is not None else None)
-        self.log = BrokerLog(broker, sequencer, store)
+        self.log = BrokerLog(broker, sequencer, store, predicted=predicted)
+        # Until the store is loaded (`loaded`), with the end its start is to recover
+        # (`predicted`): a restarted member says Hello to its primary with it, which makes
+        # the copy while the member loads, and the primary's answers wait here.
+        self.loading = predicted is not None
+        self.deferred: list[core.PeerMessage] = []
+        self.said_hello = asyncio.Event()  # a Hello went out while loading
         fault = os.environ.get("TANDEM_TEST_FAULT_DROP_ENQUEUES", "")
         if fault.partition(":")[0] in (node, "*"):
             self.log.drop_enqueues(fault.partition(":")[2])
@@ -431,6 +438,11 @@ class Member:
     def _send(self, outs: Sequence[core.Out]) -> None:
         made: tuple[core.Append, tuple[int, ...], bytes] | None = None  # the last Append
         for dest, msg in outs:
+            if self.loading and isinstance(msg, core.Hello):
+                if msg.digest is None:
+                    continue  # its digest needs the state loaded: said once loaded
+                if self._link(dest) is not None:  # else said once linked (`_linked`)
+                    self.said_hello.set()
             if isinstance(msg, core.Ack) and self.store is not None:
                 self._ack_on_disk(self.store, dest, msg)
                 continue
@@ -559,7 +571,46 @@ class Member:
             )
             writer.transport.abort()
 
+    def loaded(self) -> None:
+        """The store is loaded: the primary's answers to the Hello said meanwhile are taken,
+        in order, if the start recovered what it was to (`Store.predict`); otherwise they
+        answer a Hello that said what this member does not hold, and it says Hello again."""
+        if not self.loading:
+            return
+        log_ = self.log
+        predicted, log_.predicted = log_.predicted, None
+        self.loading = False
+        self.sequencer.applying = True  # a member serves nothing until it is promoted
+        deferred, self.deferred = self.deferred, []
+        held = (self.log.end, self.log.boundaries())
+        if predicted is not None and held == (predicted[0], tuple(predicted[1])) and log_.restarted:
+            if self.said_hello.is_set():
+                log.info(
+                    "node %s: loaded up to offset %d, as told to the primary before loading",
+                    self.node,
+                    held[0],
+                )
+            for msg in deferred:
+                try:
+                    self.on_peer(msg)
+                except Exception:  # as the link's reader would have
+                    log.exception("unexpected error, please report it as a bug: replication")
+            return
+        r = self.replica
+        if self.said_hello.is_set():
+            log.info(
+                "node %s: loaded up to offset %d%s, not as told to the primary; saying Hello again",
+                self.node,
+                self.log.end,
+                "" if log_.restarted else " with less than its log names",
+            )
+        if r.following is not None and self.upstream is not None:
+            self._control(core.Follow(r.following, r.epoch))  # a fresh Hello
+
     def on_peer(self, msg: core.PeerMessage) -> None:
+        if self.loading:
+            self.deferred.append(msg)  # taken once loaded (`loaded`)
+            return
         if isinstance(msg, core.Hello) and self.copied.get(msg.sender) == msg.session:
             # Repeated by the follower's tick while its copy is made or travels: the core
             # would capture the queues again (50 ms for three million messages) for nothing.
