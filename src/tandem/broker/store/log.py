@@ -1454,33 +1454,17 @@ class Store:
         segments follow it (no checkpoint: the whole log), which a prediction would read
         twice. Called before `open`."""
         paths = sorted(self.dir.glob("*.seg"))
-        # As `open` reads them (which sets them again): a reused segment with its salt.
-        self.salts = {
-            _number(p): records.salt(_number(p)) for p in paths if p.name.endswith(REUSED_SUFFIX)
-        }
+        self.salts = _salts(paths)  # as `open` sets them again
         boundaries: list[tuple[int, int]] = []
         end = resume_seg = resume_pos = 0
         if self.checkpoint_records and (self.dir / "checkpoint").exists():
-            raw = (self.dir / "checkpoint").read_bytes()
-            head = len(CHECKPOINT_MAGIC)
-            text = raw[head + 4 :]
             try:
-                if raw[:head] != CHECKPOINT_MAGIC or zlib.crc32(text) != int.from_bytes(
-                    raw[head : head + 4], "big"
-                ):
-                    return None
-                body = json.loads(text)
+                body = _checkpoint_body((self.dir / "checkpoint").read_bytes())
                 end = int(body["offset"])
                 boundaries = [(int(e), int(o)) for e, o in body["boundaries"]]
                 resume_seg, resume_pos = (int(x) for x in body["resume"])
-                last = int(body.get("last", -1))
+                self._check_resume(body)  # else the start replays the whole log
             except (ValueError, KeyError, TypeError):
-                return None
-            # As `_read_checkpoint` checks it: otherwise the start replays the whole log.
-            path = self._path(resume_seg)
-            if not path.exists() or path.stat().st_size < resume_pos:
-                return None
-            if resume_pos and last >= 0 and not self._ends_at(resume_seg, last, resume_pos):
                 return None
         after = [p for p in paths if _number(p) >= resume_seg]
         if sum(p.stat().st_size for p in after) - resume_pos > 2 * self.segment_bytes:
@@ -1489,13 +1473,9 @@ class Store:
         for path in after:
             seg = _number(path)
             base = resume_pos if seg == resume_seg else 0
-            for whole in (False, True):
-                data, more = _read_from(path, base, whole)
-                found, _good_end, corrupt, torn = records.scan(
-                    data, str(path), True, None, self.salts.get(seg, 0)
-                )
-                if not (torn and more):
-                    break
+            _data, _more, (found, _good_end, corrupt, _torn) = _scanned(
+                path, base, True, None, self.salts.get(seg, 0)
+            )
             if corrupt:
                 return None
             for _rtype, epoch, offset, _payload in found:
@@ -1505,27 +1485,14 @@ class Store:
                     end = offset
             if found and found[-1][0] & records.MORE:
                 return None  # a transaction cut short: the start cuts it off
-        # As `open` merges them: where each epoch began, as the epochs file knows it.
-        known = [(e, o) for e, o in self._read_epochs() if o <= end]
-        if known:
-            merged = dict(known)
-            merged.update((e, o) for e, o in boundaries if e not in merged)
-            boundaries = sorted(merged.items(), key=lambda eo: (eo[1], eo[0]))
-        return end, boundaries
+        return end, _with_epochs(boundaries, self._read_epochs(), end)
 
     def _read_checkpoint(self) -> dict[str, Any] | None:
         path = self.dir / "checkpoint"
         if not path.exists():
             return None
-        raw = path.read_bytes()
-        head = len(CHECKPOINT_MAGIC)
-        text = raw[head + 4 :]
         try:
-            if raw[:head] != CHECKPOINT_MAGIC or zlib.crc32(text) != int.from_bytes(
-                raw[head : head + 4], "big"
-            ):
-                raise ValueError("not a checkpoint, or a damaged one")
-            body: dict[str, Any] = json.loads(text)
+            body = _checkpoint_body(path.read_bytes())
             parts = set()
             loaded = {}
             for i, entry in enumerate(body["queues"]):
@@ -1554,17 +1521,22 @@ class Store:
                         page[6] = [(int(e), _unpacked("Q", o)) for e, o in ids[0]]
                         if sum(len(o) for _e, o in page[6]) != count:
                             raise ValueError(f"queue '{entry['queue']}': a page's ids miscounted")
-            seg, pos = body["resume"]
-            if not self._path(seg).exists() or self._path(seg).stat().st_size < pos:
-                raise ValueError(f"its resume point, segment {seg} byte {pos}, is gone")
-            last = body.get("last", -1)  # checkpoints before 2026-11-28 do not say
-            if pos and last >= 0 and not self._ends_at(seg, last, pos):
-                raise ValueError(f"no record ends at its resume point, segment {seg} byte {pos}")
+            self._check_resume(body)
         except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
             log.warning("checkpoint %s not used (%s): replaying the whole log", path, exc)
             return None
         self.parts_on_disk, self.loaded_parts = parts, loaded
         return body
+
+    def _check_resume(self, body: dict[str, Any]) -> None:
+        """Raise ValueError unless a whole record of the log ends at checkpoint `body`'s
+        resume point."""
+        seg, pos = body["resume"]
+        if not self._path(seg).exists() or self._path(seg).stat().st_size < pos:
+            raise ValueError(f"its resume point, segment {seg} byte {pos}, is gone")
+        last = body.get("last", -1)  # checkpoints before 2026-11-28 do not say
+        if pos and last >= 0 and not self._ends_at(seg, last, pos):
+            raise ValueError(f"no record ends at its resume point, segment {seg} byte {pos}")
 
     def _reuse_loaded_parts(self) -> None:
         """After a start, the next checkpoint names a queue by the part file it was loaded
@@ -1789,9 +1761,7 @@ class Store:
         paths = sorted(self.dir.glob("*.seg"))
         # A reused segment is known by its name (`REUSED_SUFFIX`), and read with its salt. A
         # spare is a consumed segment: written into or not, it holds nothing the log needs.
-        self.salts = {
-            _number(p): records.salt(_number(p)) for p in paths if p.name.endswith(REUSED_SUFFIX)
-        }
+        self.salts = _salts(paths)
         for spare in self.dir.glob(f"*{SPARE_SUFFIX}"):
             spare.unlink()
         epochs = self._read_epochs()
@@ -1833,14 +1803,10 @@ class Store:
                     self.sizes[seg] = path.stat().st_size
                     continue
                 base = resume_pos if seg == resume_seg else 0
-                for whole in (False, True):
-                    data, more = _read_from(path, base, whole)
-                    positions: list[int] = []
-                    found, good_end, corrupt, torn = records.scan(
-                        data, str(path), stop_at_corrupt, positions, self.salts.get(seg, 0)
-                    )
-                    if not (torn and more):
-                        break  # else a record runs on into a stretch of zeros: read it all
+                positions: list[int] = []
+                data, more, (found, good_end, corrupt, torn) = _scanned(
+                    path, base, stop_at_corrupt, positions, self.salts.get(seg, 0)
+                )
                 if base:
                     positions = [base + p for p in positions]
                     good_end += base
@@ -1912,13 +1878,7 @@ class Store:
         result.messages = len(self.where) + sum(
             p.count for pages in self.pages.values() for p in pages
         )
-        # The epochs file knows where each epoch began, even when compaction deleted the
-        # segment that held that record; what a torn or cut tail took away is dropped.
-        known = [(e, o) for e, o in epochs if o <= sequencer.offset]
-        if known:
-            merged = dict(known)
-            merged.update((e, o) for e, o in sequencer.boundaries if e not in merged)
-            sequencer.boundaries = sorted(merged.items(), key=lambda eo: (eo[1], eo[0]))
+        sequencer.boundaries = _with_epochs(sequencer.boundaries, epochs, sequencer.offset)
         if sequencer.boundaries:
             sequencer.epoch = max(sequencer.epoch, sequencer.boundaries[-1][0])
         self.handed = self._synced = sequencer.offset
@@ -2616,6 +2576,54 @@ class _Mapped:
         if end > len(mapped):
             return head  # past the end: `problem_at` says so from the header alone
         return mapped[pos:end]
+
+
+def _checkpoint_body(raw: bytes) -> dict[str, Any]:
+    """A checkpoint file's JSON, its magic and checksum checked (ValueError if not)."""
+    head = len(CHECKPOINT_MAGIC)
+    text = raw[head + 4 :]
+    if raw[:head] != CHECKPOINT_MAGIC or zlib.crc32(text) != int.from_bytes(
+        raw[head : head + 4], "big"
+    ):
+        raise ValueError("not a checkpoint, or a damaged one")
+    body: dict[str, Any] = json.loads(text)
+    return body
+
+
+def _salts(paths: list[Path]) -> dict[int, int]:
+    """Each reused segment's salt, by number: a reused segment is known by its name
+    (`REUSED_SUFFIX`)."""
+    return {_number(p): records.salt(_number(p)) for p in paths if p.name.endswith(REUSED_SUFFIX)}
+
+
+def _scanned(
+    path: Path, base: int, stop_at_corrupt: bool, positions: list[int] | None, salt: int
+) -> tuple[bytes, bool, tuple[list[records.Scanned], int, list[Corruption], bool]]:
+    """Segment `path`'s bytes from `base` (`_read_from`), whether more follow them, and its
+    records as `records.scan` reads them. A record that runs on into a stretch of zeros
+    reads as torn where the reading stopped: the segment is then read whole."""
+    for whole in (False, True):
+        if positions is not None:
+            positions.clear()
+        data, more = _read_from(path, base, whole)
+        scanned = records.scan(data, str(path), stop_at_corrupt, positions, salt)
+        if not (scanned[3] and more):
+            break
+    return data, more, scanned
+
+
+def _with_epochs(
+    boundaries: list[tuple[int, int]], epochs: list[tuple[int, int]], end: int
+) -> list[tuple[int, int]]:
+    """`boundaries` merged with where each epoch began as the epochs file knows it (it
+    does even when compaction deleted the segment that held that record), less what a torn
+    or cut tail took away (after `end`)."""
+    known = [(e, o) for e, o in epochs if o <= end]
+    if not known:
+        return boundaries
+    merged = dict(known)
+    merged.update((e, o) for e, o in boundaries if e not in merged)
+    return sorted(merged.items(), key=lambda eo: (eo[1], eo[0]))
 
 
 def _read_from(path: Path, base: int, whole: bool) -> tuple[bytes, bool]:
