@@ -582,8 +582,8 @@ class Member:
         self.loading = False
         self.sequencer.applying = True  # a member serves nothing until it is promoted
         deferred, self.deferred = self.deferred, []
-        held = (self.log.end, self.log.boundaries())
-        if predicted is not None and held == (predicted[0], tuple(predicted[1])) and log_.restarted:
+        held = (log_.end, log_.boundaries())
+        if held == predicted and log_.restarted:
             if self.said_hello.is_set():
                 log.info(
                     "node %s: loaded up to offset %d, as told to the primary before loading",
@@ -601,7 +601,7 @@ class Member:
             log.info(
                 "node %s: loaded up to offset %d%s, not as told to the primary; saying Hello again",
                 self.node,
-                self.log.end,
+                held[0],
                 "" if log_.restarted else " with less than its log names",
             )
         if r.following is not None and self.upstream is not None:
