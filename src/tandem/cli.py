@@ -32,7 +32,8 @@ def _broker(args: argparse.Namespace) -> int:
     from tandem.broker import config as config_mod
     from tandem.broker.node import Node
 
-    if args.spare and not _become_member(args):
+    told = _become_member(args) if args.spare else None
+    if args.spare and told is None:
         return 0
     overrides = {
         "amqp_port": args.amqp_port,
@@ -61,6 +62,12 @@ def _broker(args: argparse.Namespace) -> int:
     policy = collector.install()  # full collections walk only what is new (broker/collector.py)
     try:
         node = Node(cfg)
+        if told is not None and told.get("hold"):
+            # Told while the cluster waits to start it (its controller is to see it gone
+            # first): its log's end is read meanwhile, not after (`Supervisor.keep`).
+            node.prepare(early=True)
+            if not _spare_line():
+                return 0  # the cluster stopped meanwhile
         policy.quiet = node.quiet
         try:
             import uvloop
@@ -77,19 +84,16 @@ def _broker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _become_member(args: argparse.Namespace) -> bool:
+def _become_member(args: argparse.Namespace) -> dict[str, Any] | None:
     """A spare (`local/members.py`): imported, wait for the member to run as, one JSON line
-    on stdin with its config file and output file; False at the end of the input (the
-    cluster stopped)."""
+    on stdin with its config file and output file (and `hold`: wait for a second line before
+    it listens); None at the end of the input (the cluster stopped)."""
     with contextlib.suppress(ImportError):  # a dependency on Linux
         import uvloop  # noqa: F401 - imported now, not once told
-    # A Ctrl-C at the cluster's terminal reaches it too: the cluster ends its input.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    line = sys.stdin.readline()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    line = _spare_line()
     if not line:
-        return False
-    told = json.loads(line)
+        return None
+    told: dict[str, Any] = json.loads(line)
     args.config = told["config"]
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
@@ -98,7 +102,16 @@ def _become_member(args: argparse.Namespace) -> bool:
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
-    return True
+    return told
+
+
+def _spare_line() -> str:
+    """A line of a spare's input; empty at its end. A Ctrl-C at the cluster's terminal
+    reaches the spare too: the cluster ends its input."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    line = sys.stdin.readline()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return line
 
 
 def _cluster_up(args: argparse.Namespace) -> int:

@@ -307,6 +307,10 @@ def test_a_killed_member_comes_back_as_the_spare_made_ahead(tmp_path: Path) -> N
         )
         log = (c.data_dir / backup["node"] / "broker.log").read_text()
         assert log.count(" recovered ") == 2, log  # its own output, both lives
+        # Told which member it is at once, it read its log's end while the controller was
+        # to see the member gone, and was started after.
+        second = log[log.index(" recovered ") :]
+        assert "the end of its log read while its cluster waited to start it" in second, log
         while not (ready := spares(c)):
             assert time.monotonic() < deadline + 30, "no spare made after the first was taken"
             time.sleep(0.05)

@@ -165,6 +165,8 @@ class Node:
         # controller meanwhile, and promotes itself only once it is.
         self.loaded = asyncio.Event()
         self.looked = asyncio.Event()  # `/status?brief=1` answered: the controller looked
+        self.prepared = False  # `prepare` ran: `told` is what the start tells the primary
+        self.told: tuple[int, Boundaries] | None = None
         self.amqp_port = 0
         self.tls_port: int | None = None
         self.amqps_context: ssl.SSLContext | None = None
@@ -436,7 +438,9 @@ class Node:
             log.warning("TEST FAULT: records declaring %s do not apply", apply.UNAPPLIABLE)
         member_run: asyncio.Task[None] | None = None
         lost = False  # recovery left out something the log names
-        told = self._predict()
+        if not self.prepared:
+            self.prepare()
+        told = self.told
         if told is not None:
             # A member restarted with records: the controller may have it follow its primary
             # before its store is loaded. It tells the primary the end its start is to
@@ -633,6 +637,19 @@ class Node:
             port,
             admin.start(self, cfg.admin_host, port, shutdown_timeout),
         )
+
+    def prepare(self, early: bool = False) -> None:
+        """Read what `run` tells the primary before it loads (`_predict`). A spare told
+        to become a member that exited does it `early`, while its cluster waits to start it
+        (`cli._broker`); `run` does it otherwise."""
+        self.told = self._predict()
+        self.prepared = True
+        if early:
+            log.info(
+                "node %s: the end of its log read while its cluster waited to start it: %s",
+                self.cfg.node_id,
+                "nothing to tell" if self.told is None else f"offset {self.told[0]}",
+            )
 
     def _predict(self) -> tuple[int, Boundaries] | None:
         """The end and boundaries a cluster member's store is to recover, told before it
