@@ -48,7 +48,8 @@ def measure(count: int, runs: int) -> tuple[float, float]:
         extra: dict[str, Any] = {}
         if pages is not None and "named" in fields:
             extra["named"] = {key: pages}
-        state = store_log._Captured({"epoch": 1}, {key: [where]}, [], [(key, msgs)], **extra)
+        items: list[Any] = list(msgs)
+        state = store_log._Captured({"epoch": 1}, {key: [where]}, [], [(key, items)], **extra)
         made = store_log._Made()
         start = time.perf_counter()
         store_log._checkpoint_bytes(state, made, "part-")

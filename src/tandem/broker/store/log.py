@@ -1347,14 +1347,16 @@ class Store:
                         p.last_mid,
                         [*p.extents],
                         dict(p.segs),
-                        # Never changed once made, but for what it forgot: encoded on the
-                        # writer's thread.
-                        pack_ids(p.mids() or []) if p.gone and p.ids is not None else p.ids,
+                        # Never changed once made, but for what it forgot; or, for a page a
+                        # start made of a checkpoint's messages (`only`), its ids as they
+                        # are: either packed on the writer's thread (`_page_ids`). Named by
+                        # its messages one by one, as it once was, a busy queue a member's
+                        # start left as pages was named so until it was read back, and the
+                        # next start read each message's record: 0.4-1.2 s of a rejoin.
+                        p.mids() if p.gone or p.only is not None else p.ids,
                     )
                     for p in key_pages
-                    if p.only is None
                 ],
-                [_only(p) for p in key_pages if p.only is not None],
             )
             for key, key_pages in self.pages.items()
             if key not in reused
@@ -1371,16 +1373,20 @@ class Store:
             "marked": [list(k) for k in self.marked],
             "enqueued": dict(self.enqueued),
         }
-        # The heads of the queues that page, as they are now: the writer's thread names them
-        # as pages of the log, so that a start reads none of them (`_head_pages`).
+        # The messages in memory of the queues that page, in order, with the pages between
+        # them: the writer's thread names each run between two pages as pages of the log,
+        # so that a start reads none of them (`_head_pages`). A queue with pages takes its
+        # new messages into its tail (`Queue._to_tail`), which a member restarted under
+        # load has for as long as the load goes on: named one by one, its messages were
+        # each read at the next start.
         heads = []
         named: dict[tuple[str, str], list[_Named]] = {}
         if self.page_bytes:
             for vh in self.broker.vhosts.values():
                 for q in vh.queues.values():
                     key = (vh.name, q.name)
-                    if q.pageable and q.messages and key not in reused:
-                        heads.append((key, list(q.messages)))
+                    if q.pageable and (q.messages or q.tail_count) and key not in reused:
+                        heads.append((key, [*q.messages, *q.tail, *q.filling]))
                         named[key] = self.named_heads.get(key, [])
         # The entries of each queue not named by its part of the last checkpoint, in a copy
         # of each of its dicts. An emptied queue's index goes: its next message makes one.
@@ -2078,11 +2084,11 @@ class _Captured:
 
     head: dict[str, Any]
     where: dict[tuple[str, str], list[dict[int, int]]]  # each queue's: id -> place
-    # (queue, its pages as (count, body bytes, first, last, extents, segments, ids or
-    # None), the messages of each page made from a checkpoint: id -> place)
-    pages: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]]
-    # Each queue that pages: its head, in order.
-    heads: list[tuple[tuple[str, str], list[Message]]] = field(default_factory=list)
+    # (queue, its pages as (count, body bytes, first, last, extents, segments, ids packed,
+    # or as a list to pack, or None))
+    pages: list[tuple[tuple[str, str], list[Any]]]
+    # Each queue that pages: its messages in memory and its pages, in order.
+    heads: list[tuple[tuple[str, str], list[Message | Page]]] = field(default_factory=list)
     # The queues that did not change since an earlier checkpoint: named by their part of it.
     reused: dict[tuple[str, str], bytes] = field(default_factory=dict)
     parts: set[str] = field(default_factory=set)  # the part files of the queues reused
@@ -2160,50 +2166,41 @@ def _checkpoint_bytes(state: _Captured, made: _Made, prefix: str) -> bytes:
     PART_BYTES or more into a file of its own, named `prefix` and a number, which the
     checkpoint names; a queue in `state.reused` is named by the part it had."""
     by_queue, head_places = _split_where(state)
-    heads = dict(state.heads)
-    runs = {
-        key: _head_run(key, msgs, head_places[key], state.named.get(key, []))
-        for key, msgs in state.heads
+    runs = {key: _message_runs(items) for key, items in state.heads}
+    pieces_of = {
+        key: _head_runs(key, runs[key], head_places[key], state.named.get(key, []))
+        for key, _items in state.heads
     }
-    # No head page's range holds an id named one by one, nor one of a page read back.
-    read_back: dict[tuple[str, str], list[int]] = {}
-    for key, _pages, only in state.pages:
-        if key in runs:
-            read_back.setdefault(key, []).extend(mid for page in only for mid in page)
-    paged: list[tuple[tuple[str, str], list[Any], list[dict[int, int]]]] = []
-    for key, pieces in runs.items():
-        left = head_places[key]  # named one by one, as a page's messages are (`only`)
-        cuts = sorted([*left, *read_back.get(key, [])])
-        give_way(len(cuts))
-        if _cut_inside(pieces, cuts):  # one named alone in a page's range: all anew
-            left = head_places[key] = _merged(state.where.get(key, []))
-            pieces = _head_run(key, heads[key], left, [])
-            cuts = sorted([*left, *read_back.get(key, [])])
-        named = _head_pages(pieces, cuts)
-        made.heads[key] = named
-        paged.append((key, named, [left]))
     pages: dict[tuple[str, str], list[Any]] = {}
-    seen = 0
-    for key, key_pages, only in [*state.pages, *paged]:
+    for key, key_pages in state.pages:
         # A page's ids (a cluster member's) as [epoch, offsets as a C array in base64] pairs.
-        pages.setdefault(key, [])
-        pages[key] += [
-            page
-            if isinstance(page, _Named)
-            else [*page[:6], [[e, b"".join(_packed("Q", o)).decode()] for e, o in page[6]]]
-            if page[6] is not None
+        pages[key] = [
+            [*page[:6], [[e, b"".join(_packed("Q", o)).decode()] for e, o in ids]]
+            if (ids := _page_ids(page[6])) is not None
             else [*page[:6]]
             for page in key_pages
         ]
+    seen = 0
+    for key, pieces in pieces_of.items():
+        # No head page's range holds an id named one by one.
+        left = head_places[key]
+        cuts = sorted(left)
+        give_way(len(cuts))
+        if _cut_inside(pieces, cuts):  # one named alone in a page's range: all anew
+            left = head_places[key] = _merged(state.where.get(key, []))
+            pieces = _head_runs(key, runs[key], left, [])
+            cuts = sorted(left)
+        named = _head_pages(pieces, cuts)
+        made.heads[key] = named
+        pages.setdefault(key, []).extend(named)
         held = by_queue.setdefault(key, ([], [], []))
-        for page in only:  # written as the messages it holds, as it was read
-            for mid, at in page.items():
-                seen += 1
-                if seen % YIELD_EVERY == 0:
-                    give_way()
-                held[0].append(records.mid_offset(mid))
-                held[1].append(records.mid_epoch(mid))
-                held[2].append(at)
+        for mid, at in left.items():  # named one by one
+            seen += 1
+            if seen % YIELD_EVERY == 0:
+                give_way()
+            held[0].append(records.mid_offset(mid))
+            held[1].append(records.mid_epoch(mid))
+            held[2].append(at)
     # The JSON is put together here: json.dumps scanned every character of the arrays'
     # base64 (which needs no escapes), 150 ms with a million messages, holding the GIL.
     texts = []
@@ -2317,6 +2314,40 @@ def _dumped(pages: list[Any]) -> list[bytes]:
         out.append(json.dumps(page, separators=(",", ":")).encode())
         give_way(int(page[0]))
     return out
+
+
+def _page_ids(ids: Any) -> list[tuple[int, array.array[int]]] | None:
+    """A captured page's ids packed (`pack_ids`): they are, or are a list of ids to pack
+    (a page that forgot some, or a start made of a checkpoint's messages), or None."""
+    if ids and isinstance(ids[0], int):
+        give_way(len(ids))
+        return pack_ids(ids)
+    return cast("list[tuple[int, array.array[int]]] | None", ids)
+
+
+def _message_runs(items: list[Message | Page]) -> list[list[Message]]:
+    """A queue's messages in memory, in order, as the runs between its pages."""
+    runs: list[list[Message]] = []
+    start = 0
+    for i, item in enumerate(items):
+        if isinstance(item, Page):
+            if i > start:
+                runs.append(cast(list[Message], items[start:i]))
+            start = i + 1
+        if i % YIELD_EVERY == YIELD_EVERY - 1:
+            give_way()
+    if start < len(items):
+        runs.append(cast(list[Message], items[start:]))
+    give_way(len(items) % YIELD_EVERY)
+    return runs
+
+
+def _head_runs(
+    key: tuple[str, str], runs: list[list[Message]], where: dict[int, int], named: list[_Named]
+) -> list[Columns | _Named]:
+    """A queue's runs of messages in memory as a checkpoint names them (`_head_run`): no
+    page of them holds messages on both sides of a page of the queue."""
+    return [piece for run in runs for piece in _head_run(key, run, where, named)]
 
 
 def _head_run(
@@ -2456,15 +2487,6 @@ def _page_entry(run: Columns, start: int, end: int) -> _Named:
     packed = [[e, b"".join(_packed("Q", o)).decode()] for e, o in pack_ids(ids)]
     entry = [end - start, sum(bodies[start:end]), ids[0], ids[-1], extents, segs, packed]
     return _Named(ids, ats[start:end], json.dumps(entry, separators=(",", ":")).encode())
-
-
-def _only(page: Page) -> dict[int, int]:
-    """The messages of a page of a checkpoint's messages that it still holds, by place."""
-    assert page.only is not None
-    gone = page.gone
-    if not gone:
-        return dict(page.only)
-    return {mid: at for mid, at in page.only.items() if mid not in gone}
 
 
 def _extents(run: Run) -> tuple[list[tuple[int, int, int]], dict[int, int]]:
