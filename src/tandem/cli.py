@@ -64,7 +64,9 @@ def _broker(args: argparse.Namespace) -> int:
         node = Node(cfg)
         if told is not None and told.get("hold"):
             # Told while the cluster waits to start it (its controller is to see it gone
-            # first): its log's end is read meanwhile, not after (`Supervisor.keep`).
+            # first): its log's end is read meanwhile, not after (`Supervisor.keep`). A
+            # Ctrl-C at the cluster's terminal ends its input instead.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             node.prepare(early=True)
             if not _spare_line():
                 return 0  # the cluster stopped meanwhile

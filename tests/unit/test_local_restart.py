@@ -237,6 +237,9 @@ class Spare(Exits):
         self.seen.append(("closed", None))
         self.returncode = 0  # a spare ends at the end of its input, told nothing more
 
+    def is_closing(self) -> bool:
+        return self.returncode is not None
+
 
 def test_a_killed_member_s_spare_reads_its_log_while_the_controller_looks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -297,3 +300,21 @@ def test_a_spare_held_for_a_member_ends_when_the_cluster_stops_meanwhile(
 
     asyncio.run(main())
     assert [what for what, _ in seen] == ["told", "closed"]
+
+
+def test_a_member_that_exits_on_its_own_leaves_the_spare_for_a_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member that failed waits its whole delay (up to 10 s when it keeps failing): it
+    does not hold the spare meanwhile, which a member killed then needs."""
+    seen: list[tuple[str, Any]] = []
+    supervisor = Supervisor({}, tmp_path / "key", {}, lambda p: None)
+    spare = supervisor.spare = Spare(seen)  # type: ignore[assignment]
+
+    async def slept(seconds: float) -> None:
+        supervisor.stopping = True
+
+    monkeypatch.setattr(members.asyncio, "sleep", slept)
+    proc = members.Proc("tandem-2", tmp_path / "d", process=Exits(1))  # type: ignore[arg-type]
+    asyncio.run(supervisor.keep(proc))
+    assert (seen, supervisor.spare) == ([], spare)

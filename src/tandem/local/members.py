@@ -276,19 +276,25 @@ class Supervisor:
                 delay,
             )
             self.on_exit(proc)
-            held = self._hold_spare(proc)
+            # A member that exits on its own waits its delay without the spare, which a
+            # member killed meanwhile takes.
+            held = self._hold_spare(proc) if killed else None
             if killed:
                 # Killed from outside: back once the controller has seen it gone, which fails
                 # a primary over at once (one back first answered as a backup, later:
                 # confirms stopped for 0.25 s a kill, not 0.12); a member already back is down
                 # in the next look until its new life answers (ha_http). Its sockets and its
                 # store's lock went with it.
-                await self.looked(delay)
+                try:
+                    await self.looked(delay)
+                except BaseException:
+                    _release(held)  # cancelled: it must not keep the member's data dir
+                    raise
             else:
                 await asyncio.sleep(delay)  # a member that exits at once is not restarted in a loop
             if self.stopping:
-                if held is not None and held.stdin is not None:
-                    held.stdin.close()  # it ends, told nothing more
+                if held is not None:
+                    _release(held)
                     await _ended(held)
                 return
             try:
@@ -319,6 +325,13 @@ class Supervisor:
         for proc in self.procs.values():
             if proc.process is not None:
                 await _ended(proc.process)
+
+
+def _release(held: asyncio.subprocess.Process | None) -> None:
+    """End a spare held for a member (`Supervisor._hold_spare`) before it starts: told
+    nothing more, it exits (`cli._broker`)."""
+    if held is not None and held.stdin is not None and not held.stdin.is_closing():
+        held.stdin.close()
 
 
 async def _ended(process: asyncio.subprocess.Process) -> None:
