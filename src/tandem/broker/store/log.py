@@ -2109,9 +2109,10 @@ class _Made:
 
 
 class _Named:
-    """A page of a queue's head as a checkpoint named it: its ids, rising, their places,
-    and its JSON. The next checkpoint names it with the same JSON while the head holds
-    exactly those messages one after the other, each in the same place (`_head_run`)."""
+    """A page of a queue's messages in memory (its head, or a run of its tail) as a
+    checkpoint named it: its ids, rising, their places, and its JSON. The next checkpoint
+    names it with the same JSON while the queue holds exactly those messages one after the
+    other, each in the same place (`_head_run`)."""
 
     __slots__ = ("ats", "mids", "text")
 
@@ -2173,6 +2174,7 @@ def _checkpoint_bytes(state: _Captured, made: _Made, prefix: str) -> bytes:
     }
     pages: dict[tuple[str, str], list[Any]] = {}
     for key, key_pages in state.pages:
+        by_queue.setdefault(key, ([], [], []))  # a queue with pages has its part
         # A page's ids (a cluster member's) as [epoch, offsets as a C array in base64] pairs.
         pages[key] = [
             [*page[:6], [[e, b"".join(_packed("Q", o)).decode()] for e, o in ids]]
@@ -2353,7 +2355,8 @@ def _head_runs(
 def _head_run(
     key: tuple[str, str], msgs: list[Message], where: dict[int, int], named: list[_Named]
 ) -> list[Columns | _Named]:
-    """A queue's head as a checkpoint names it in pages (on the writer's thread): the
+    """A run of a queue's messages in memory (its head, or a run of its tail between two
+    of its pages) as a checkpoint names it in pages (on the writer's thread): the
     messages whose ENQUEUE record `where` names (taken from it) and that stay in the log as
     they are (persistent, no expiration), in the head's order, each with a higher id than the
     one before (a message requeued out of order is named one by one). A page of the last
