@@ -216,6 +216,7 @@ class Supervisor:
         return config
 
     async def _spawn_or_take(self, proc: Proc, config: Path) -> None:
+        """Run `proc` as configured in `config`: as the spare, else as a new process."""
         spare = self._take_spare(config, proc.data_dir / "broker.log")
         if spare is not None:
             proc.process = spare

@@ -176,9 +176,8 @@ class Member:
         self.state = State(data_dir / "cluster.json" if data_dir is not None else None)
         self.log = BrokerLog(broker, sequencer, store, predicted=predicted)
         # Until the store is loaded (`loaded`), with the end its start is to recover
-        # (`predicted`): a restarted member says Hello to its primary with it, which makes
-        # the copy while the member loads, and the primary's answers wait here.
-        self.loading = predicted is not None
+        # (`predicted`, `loading`): a restarted member says Hello to its primary with it,
+        # which makes the copy while the member loads, and the primary's answers wait here.
         self.deferred: list[core.PeerMessage] = []
         self.said_hello = asyncio.Event()  # a Hello went out while loading
         fault = os.environ.get("TANDEM_TEST_FAULT_DROP_ENQUEUES", "")
@@ -571,6 +570,12 @@ class Member:
             )
             writer.transport.abort()
 
+    @property
+    def loading(self) -> bool:
+        """Whether the store is still to be loaded (`loaded`): the log answers with what
+        its start is to recover (`BrokerLog.predicted`)."""
+        return self.log.predicted is not None
+
     def loaded(self) -> None:
         """The store is loaded: the primary's answers to the Hello said meanwhile are taken,
         in order, if the start recovered what it was to (`Store.predict`); otherwise they
@@ -579,7 +584,6 @@ class Member:
             return
         log_ = self.log
         predicted, log_.predicted = log_.predicted, None
-        self.loading = False
         self.sequencer.applying = True  # a member serves nothing until it is promoted
         deferred, self.deferred = self.deferred, []
         held = (log_.end, log_.boundaries())

@@ -1347,12 +1347,12 @@ class Store:
                         p.last_mid,
                         [*p.extents],
                         dict(p.segs),
-                        # Never changed once made, but for what it forgot; or, for a page a
-                        # start made of a checkpoint's messages (`only`), its ids as they
-                        # are: either packed on the writer's thread (`_page_ids`). Named by
-                        # its messages one by one, as it once was, a busy queue a member's
-                        # start left as pages was named so until it was read back, and the
-                        # next start read each message's record: 0.4-1.2 s of a rejoin.
+                        # Packed, never changed once made; a page that forgot some, or one a
+                        # start made of a checkpoint's messages (`only`), gives its ids as
+                        # a list, packed on the writer's thread (`_page_ids`). Named by its
+                        # messages one by one, as it once was, a busy queue a member's start
+                        # left as pages was named so until it was read back, and the next
+                        # start read each message's record: 0.4-1.2 s of a rejoin.
                         p.mids() if p.gone or p.only is not None else p.ids,
                     )
                     for p in key_pages
@@ -2169,8 +2169,8 @@ def _checkpoint_bytes(state: _Captured, made: _Made, prefix: str) -> bytes:
     by_queue, head_places = _split_where(state)
     runs = {key: _message_runs(items) for key, items in state.heads}
     pieces_of = {
-        key: _head_runs(key, runs[key], head_places[key], state.named.get(key, []))
-        for key, _items in state.heads
+        key: _head_runs(key, key_runs, head_places[key], state.named.get(key, []))
+        for key, key_runs in runs.items()
     }
     pages: dict[tuple[str, str], list[Any]] = {}
     for key, key_pages in state.pages:
