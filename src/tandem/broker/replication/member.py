@@ -61,8 +61,8 @@ SLOW_BYTES = 64 << 20  # unsent bytes to one follower before it is cut off
 # cut off (SLOW_BYTES). The records bound how far the ISR runs behind a publisher that does
 # not wait for confirms, and so what a member killed meanwhile has to take back when it
 # restarts: at 50,000 (half of ha.model.Settings's max_lag_records) a backup killed under
-# such a load had lost up to 65,000 records, and took up to 5 s to be back in the ISR;
-# at 10,000, 1.3 s at most (docs/performance.md, issue 16).
+# such a load restarted up to 65,000 records short, and took up to 5 s to be back in the
+# ISR; at 10,000, 1.4 s at most in 35 kills (docs/performance.md, issue 16).
 FLOW_RECORDS = 10_000
 FLOW_BYTES: Final = SLOW_BYTES // 2
 CHECKPOINT_EVERY: Final = 10_000  # records between the primary's audit checkpoints
