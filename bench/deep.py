@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+import alone
 import pika
 from clusters import keep_if_failed
 from firehose import ensure_rabbitmq, node, rabbitmq_pid, rss_mb
@@ -110,6 +111,8 @@ def phase(url: str, pid: int, queue: str, *args: str) -> tuple[dict[str, object]
 
 
 def run_tandem(count: int, size: int) -> None:
+    # A source file changed since the last install runs it all as pure Python, slower.
+    print(f"tandem: {alone.build(None)}", flush=True)
     data_dir = Path(tempfile.mkdtemp(prefix="tandem-deep-"))
     broker = LoneTandem(data_dir)
     failed = True

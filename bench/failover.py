@@ -34,6 +34,7 @@ import statistics
 import threading
 import time
 
+import alone
 import pika
 import pika.exceptions
 from clusters import RabbitCluster, TandemCluster
@@ -207,6 +208,8 @@ def main() -> int:
     ap.add_argument("--every", type=float, help="the storm: kill every SECONDS (Tandem)")
     args = ap.parse_args()
     results: dict[str, dict[str, list[float]]] = {}
+    if args.only != "rabbitmq":
+        print(f"tandem: {alone.build(None)}", flush=True)
     for name in ("tandem", "rabbitmq"):
         if args.only and name != args.only:
             continue
