@@ -69,6 +69,10 @@ async function main() {
     ? await fill(ch, queue, count, Number(rest[0] || 1024), Number(rest[1] || 0))
     : await drain(ch, queue, count, Number(rest[0] || 0));
   const seconds = Number(process.hrtime.bigint() - start) / 1e9;
+  // The channel first: amqplib sends each channel's frames through its own buffer, and
+  // Connection.Close went out ahead of the last ack, which the broker then rightly
+  // ignored (the queue kept its last 500 messages, and the log the segments behind them).
+  await ch.close();
   await conn.close();
   console.log(JSON.stringify({ phase, count, seconds, rate: count / seconds, bad }));
   if (bad) process.exit(1);
