@@ -5,11 +5,12 @@
 Tandem (a lone node, default settings) takes COUNT persistent messages of SIZE bytes into one
 durable queue with confirms (bench/deep.js fill), is killed with SIGKILL, starts again, and the
 queue is consumed in order (bench/deep.js drain); every message is checked to arrive once and
-in order. Printed for each phase: its rate, the broker's largest RSS during it (sampled every
-0.2 s), and the log's size on disk at its end; and the time from the restart to a client
-reading the queue's depth. `--rabbitmq` runs the same fill and drain on RabbitMQ (a classic
-queue, version 2, which keeps a deep queue on disk), alone on the machine, for the rates side
-by side (no kill there).
+in order, and the queue to be empty after. Printed for each phase: its rate, the broker's
+largest RSS during it (sampled every 0.2 s), and the log's size on disk at its end (after the
+drain, again a second later, once the consumed segments are deleted); and the time from the
+restart to a client reading the queue's depth. `--rabbitmq` runs the same fill and drain on
+RabbitMQ (a classic queue, version 2, which keeps a deep queue on disk), alone on the machine,
+for the rates side by side (no kill there).
 """
 
 from __future__ import annotations
