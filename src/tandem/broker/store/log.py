@@ -113,8 +113,8 @@ INLINE_BYTES: Final = 16 << 10  # a batch this small is written on the loop when
 # on a 2-core machine, 3 members under a publisher waiting for each confirm, the cluster spent
 # 872 against 952 µs of CPU a message with 1 ms here instead of 0.5 ms, and 284 against 358 with
 # ten such publishers (9 of 10 runs faster, 3,440 against 3,089 msg/s); there 5-13% of the
-# fsyncs took 0.5-1 ms, and each one sent the next few batches to the thread. A stalled disk
-# still sends them there after its first slow write.
+# fsyncs took over 0.5 ms (1-3% over 1), and each sent the next few batches to the thread.
+# A stalled disk still sends them there after its first slow write.
 INLINE_SECONDS: Final = 0.001
 LAZY_SECONDS: Final = 0.01  # records nothing waits for are written within this
 LAZY_BYTES: Final = 1 << 20  # ... or once this many of them are pending
