@@ -11,6 +11,7 @@ import contextlib
 import hmac
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -540,13 +541,19 @@ def _valid(model: type[M], data: dict[str, Any]) -> M:
 
 
 async def start(
-    node: Node, host: str, port: int, shutdown_timeout: float = 60.0
+    node: Node,
+    host: str,
+    port: int,
+    shutdown_timeout: float = 60.0,
+    sock: socket.socket | None = None,
 ) -> tuple[web.AppRunner, int]:
-    """The admin API, listening; `shutdown_timeout`: how long its cleanup waits for the
-    requests under way."""
+    """The admin API, listening on `host`:`port`, or on `sock`, bound already;
+    `shutdown_timeout`: how long its cleanup waits for the requests under way."""
     runner = web.AppRunner(make_app(node), access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site: web.BaseSite = (
+        web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+    )
     await site.start()
     server = site._server
     assert server is not None

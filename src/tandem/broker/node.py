@@ -93,6 +93,30 @@ async def _listen(what: str, option: str, host: str, port: int, start: Awaitable
         ) from None
 
 
+def _hold_port(host: str, port: int) -> socket.socket | None:
+    """A socket bound to `host`:`port`, not listening, for the admin API to listen on again
+    after a restarted member's load: meanwhile a connection to it is refused at once, and no
+    other process can take the port (binding it anew after the load, a member of a cluster
+    started again found it taken, and could not start). None where `host` names several
+    addresses, or the port was taken already: the API binds it anew, as before."""
+    try:
+        [(family, kind, proto, _name, address)] = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM
+        )
+    except (OSError, ValueError):
+        return None
+    sock = socket.socket(family, kind, proto)
+    try:
+        # As the API's own: the early API's connections may wait in TIME_WAIT on the port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        log.info("the admin API's port %d not held while the store loads: %s", port, exc)
+        return None
+    return sock
+
+
 def _cluster_key(cfg: Config) -> bytes:
     """The secret every member of a cluster shares: from `cluster_key_file` or the
     TANDEM_CLUSTER_KEY environment variable."""
@@ -437,6 +461,7 @@ class Node:
             apply.UNAPPLIABLE = os.environ["TANDEM_TEST_FAULT_NOT_APPLIED"]
             log.warning("TEST FAULT: records declaring %s do not apply", apply.UNAPPLIABLE)
         member_run: asyncio.Task[None] | None = None
+        admin_held: socket.socket | None = None  # the admin API's port, while the store loads
         lost = False  # recovery left out something the log names
         if not self.prepared:
             self.prepare()
@@ -457,6 +482,7 @@ class Node:
                     # answer, and the controller's decisions with it, where a refusal is
                     # at once (`ha_http`).
                     await early.cleanup()
+                admin_held = _hold_port(cfg.admin_host, self.admin_port)
         if self.store is not None:
             result = self.store.open(
                 self.broker, self.sequencer, loop, stop_at_corrupt=self.cluster_key is not None
@@ -546,7 +572,9 @@ class Node:
             )
             self.tls_port = amqps.sockets[0].getsockname()[1]
             servers.append(amqps)
-        runner, self.admin_port = await self._start_admin(self.admin_port or cfg.admin_port)
+        runner, self.admin_port = await self._start_admin(
+            self.admin_port or cfg.admin_port, sock=admin_held
+        )
         self._announce()
         self.ready = True
         try:
@@ -627,7 +655,7 @@ class Node:
             looked.cancel()
 
     async def _start_admin(
-        self, port: int, shutdown_timeout: float = 60.0
+        self, port: int, shutdown_timeout: float = 60.0, sock: socket.socket | None = None
     ) -> tuple[web.AppRunner, int]:
         cfg = self.cfg
         return await _listen(
@@ -635,7 +663,7 @@ class Node:
             "--admin-port (or admin_port)",
             cfg.admin_host,
             port,
-            admin.start(self, cfg.admin_host, port, shutdown_timeout),
+            admin.start(self, cfg.admin_host, port, shutdown_timeout, sock),
         )
 
     def prepare(self, early: bool = False) -> None:
