@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -457,9 +458,62 @@ def test_a_data_dir_deleted_under_the_cluster_stops_it_and_says_so(cluster: Loca
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids), "members outlived it"
 
 
-def test_a_front_port_in_use_is_one_line_naming_the_option(tmp_path: Path) -> None:
-    import socket
+def _listen_on(port: int) -> socket.socket | None:
+    """A listener on `port`, as another server would take it (TIME_WAIT connections of the
+    process that had it do not stop it), or None while it cannot be bound."""
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
+
+def test_a_killed_member_whose_port_was_taken_comes_back_on_new_ones(tmp_path: Path) -> None:
+    """A killed member restarts on the ports of its last life. When another process took
+    one of them meanwhile, that start fails, and the next takes new ports: the member is
+    back in the in-sync set, rather than failing on the taken port for as long as it is
+    held."""
+    c = LocalCluster(tmp_path / "c", 3).start()
+    thief = None
+    try:
+        publish(c, "pq", range(20))
+        for _attempt in range(5):
+            backup = next(m for m in c.cluster()["members"] if m["role"] == "backup")
+            os.kill(backup["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while thief is None and time.monotonic() < deadline:
+                thief = _listen_on(backup["admin_port"])
+                if thief is None:  # the killed process's socket not closed yet, or restarted
+                    time.sleep(0.01)  # polling for the kernel to free the port
+            if thief is not None:
+                break
+            # Restarted on it before it could be taken: wait for it, and kill it again.
+            c.wait_for(lambda s, b=backup: b["node"] in s["isr"], "the member back")
+        else:
+            pytest.fail("the killed member's admin port was never free to take")
+        node = backup["node"]
+        c.wait_for(
+            lambda s: (
+                node in s["isr"]
+                and c.member(node)["admin_port"] not in (0, backup["admin_port"])
+                and whole_again(c.member(node))
+            ),
+            "the member back on new ports",
+        )
+        log = (c.data_dir / node / "broker.log").read_text()
+        assert "address already in use" in log, log[-2000:]
+        assert drain(c, "pq") == list(range(20))
+    finally:
+        if thief is not None:
+            thief.close()
+        c.stop()
+
+
+def test_a_front_port_in_use_is_one_line_naming_the_option(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

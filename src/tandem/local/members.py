@@ -303,6 +303,12 @@ class Supervisor:
             except (RuntimeError, OSError) as exc:
                 log.error("cannot restart member %s: %s", proc.node, exc)
                 failed = True
+                # It restarts on the ports of its last life, which the controller knows
+                # already; one of them may have been taken since (another process's
+                # connection), and the member could not start on it however often it tried.
+                # The next try takes new ones.
+                proc.amqp_port = proc.admin_port = proc.replication_port = 0
+                proc.tls_port = None
                 continue
             failed = False
             proc.restarts += 1
