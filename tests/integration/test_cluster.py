@@ -492,7 +492,10 @@ def test_a_killed_member_whose_port_was_taken_comes_back_on_new_ones(tmp_path: P
             if thief is not None:
                 break
             # Restarted on it before it could be taken: wait for it, and kill it again.
-            c.wait_for(lambda s, b=backup: b["node"] in s["isr"], "the member back")
+            c.wait_for(
+                lambda s, b=backup: b["node"] in s["isr"] and whole_again(c.member(b["node"])),
+                "the member back",
+            )
         else:
             pytest.fail("the killed member's admin port was never free to take")
         node = backup["node"]

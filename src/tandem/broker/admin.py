@@ -13,7 +13,7 @@ import json
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Collection, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
@@ -84,6 +84,8 @@ class Node(Protocol):
 
 
 M = TypeVar("M", bound=BaseModel)
+
+LISTEN_BACKLOG: Final = 128  # aiohttp's own
 
 FSYNC_SECONDS = Histogram(
     "tandem_fsync_seconds",
@@ -548,14 +550,21 @@ async def start(
     sock: socket.socket | None = None,
 ) -> tuple[web.AppRunner, int]:
     """The admin API, listening on `host`:`port`, or on `sock`, bound already;
-    `shutdown_timeout`: how long its cleanup waits for the requests under way."""
+    `shutdown_timeout`: how long its cleanup waits for the requests under way. Raises
+    OSError when it cannot listen."""
+    if sock is not None:
+        # Here, not in the site: uvloop drops an error to listen on a socket it is given (a
+        # server that bound the port too, with SO_REUSEADDR, and listened first).
+        sock.listen(LISTEN_BACKLOG)
     runner = web.AppRunner(make_app(node), access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site: web.BaseSite = (
-        web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+        web.SockSite(runner, sock, backlog=LISTEN_BACKLOG)
+        if sock is not None
+        else web.TCPSite(runner, host, port)
     )
     await site.start()
     server = site._server
     assert server is not None
-    sockets = getattr(server, "sockets", None) or []
+    sockets = [s for s in getattr(server, "sockets", None) or [] if s is not None]
     return runner, sockets[0].getsockname()[1] if sockets else port

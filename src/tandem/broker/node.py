@@ -95,10 +95,12 @@ async def _listen(what: str, option: str, host: str, port: int, start: Awaitable
 
 def _hold_port(host: str, port: int) -> socket.socket | None:
     """A socket bound to `host`:`port`, not listening, for the admin API to listen on again
-    after a restarted member's load: meanwhile a connection to it is refused at once, and no
-    other process can take the port (binding it anew after the load, a member of a cluster
-    started again found it taken, and could not start). None where `host` names several
-    addresses, or the port was taken already: the API binds it anew, as before."""
+    after a restarted member's load: meanwhile a connection to it is refused at once, and
+    neither a connection's socket nor a bind to port 0 nor one without SO_REUSEADDR can take
+    the port (binding it anew after the load, a member of a cluster started again found it
+    taken, and could not start; only a server that binds that very port with SO_REUSEADDR
+    and listens first can). None where `host` names several addresses, or the port was
+    taken already: the API binds it anew, as before."""
     try:
         [(family, kind, proto, _name, address)] = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM
@@ -109,6 +111,8 @@ def _hold_port(host: str, port: int) -> socket.socket | None:
     try:
         # As the API's own: the early API's connections may wait in TIME_WAIT on the port.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio's
         sock.bind(address)
     except OSError as exc:
         sock.close()

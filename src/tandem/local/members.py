@@ -306,7 +306,9 @@ class Supervisor:
                 # It restarts on the ports of its last life, which the controller knows
                 # already; one of them may have been taken since (another process's
                 # connection), and the member could not start on it however often it tried.
-                # The next try takes new ones.
+                # The next try takes new ones, whatever the failure was: that start goes
+                # without the controller's look during its load (`Node._hello_first` waits
+                # its full second), once.
                 proc.amqp_port = proc.admin_port = proc.replication_port = 0
                 proc.tls_port = None
                 continue
