@@ -566,5 +566,5 @@ async def start(
     await site.start()
     server = site._server
     assert server is not None
-    sockets = [s for s in getattr(server, "sockets", None) or [] if s is not None]
+    sockets = getattr(server, "sockets", None) or []
     return runner, sockets[0].getsockname()[1] if sockets else port
