@@ -119,6 +119,40 @@ def test_a_backup_holds_every_confirmed_message_and_takes_over(cluster: Cluster)
     assert sorted(drain(b, "q")) == list(range(200))
 
 
+def test_each_reliability_level_is_what_the_new_primary_holds(cluster: Cluster) -> None:
+    """x-tandem-replicate: `all` replicates a queue and its messages, `configuration` its
+    declaration and bindings only, `none` nothing: after a failover the first is whole, the
+    second is there and routed to but empty, and the third is gone."""
+    a, b = cluster.add("a", isr_min=1), cluster.add("b", isr_min=1)  # b then publishes alone
+    cluster.promote("a", 1, ["a", "b"])
+    cluster.follow("b", "a", 1)
+    conn = pika.BlockingConnection(pika.URLParameters(a.url()))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    props = pika.BasicProperties(delivery_mode=2)
+    for level in ("all", "configuration", "none"):
+        ch.queue_declare(f"q-{level}", durable=True, arguments={"x-tandem-replicate": level})
+        ch.queue_bind(f"q-{level}", "amq.direct", f"k-{level}")
+        for i in range(3):
+            ch.basic_publish("amq.direct", f"k-{level}", str(i).encode(), props)
+    conn.close()
+    held = {q["name"]: (q["depth"], q["replicate"]) for q in b.status()["queues"]}
+    assert held == {"q-all": (3, "all"), "q-configuration": (0, "configuration")}
+    a.kill()
+    cluster.ha("b", "fence", {"epoch": 2})
+    cluster.promote("b", 2, ["b"])
+    assert drain(b, "q-all") == [0, 1, 2]
+    conn = pika.BlockingConnection(pika.URLParameters(b.url()))
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("amq.direct", "k-configuration", b"7", props)  # its binding came too
+    assert ch.queue_declare("q-configuration", passive=True).method.message_count == 1
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as gone:
+        ch.queue_declare("q-none", passive=True)
+    assert gone.value.reply_code == 404
+    conn.close()
+
+
 def test_a_backup_writes_over_consumed_segments_and_takes_over_with_what_is_left(
     cluster: Cluster,
 ) -> None:
