@@ -611,6 +611,33 @@ def test_a_follower_that_stops_reading_is_cut_off(cluster: Cluster) -> None:
         assert "member slow is" in a.log() and "disconnecting it" in a.log()
 
 
+def test_a_message_larger_than_the_slow_limit_reaches_the_backup_and_confirms(
+    cluster: Cluster,
+) -> None:
+    """A follower is cut off past 64 MiB unsent, but one message that large (a client may
+    send up to max_message_size, 128 MiB) says nothing of how fast it reads: one of 100 MiB
+    got the backup cut off at every connection, for ever, and was never confirmed."""
+    a, b = cluster.pair()
+    body = bytes(range(256)) * (70 * 1024 * 1024 // 256)
+    conn = pika.BlockingConnection(pika.URLParameters(a.url()))
+    ch = conn.channel()
+    ch.queue_declare("big", durable=True)
+    ch.confirm_delivery()
+    ch.basic_publish("", "big", body, pika.BasicProperties(delivery_mode=2))
+    ch.basic_publish("", "big", b"after", pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    assert b.queue("big")["depth"] == 2  # confirmed, so held by b
+    assert "disconnecting it" not in a.log()
+    a.kill()
+    cluster.ha("b", "fence", {"epoch": 2})
+    cluster.promote("b", 2, ["b"])
+    conn = pika.BlockingConnection(pika.URLParameters(b.url()))
+    ch = conn.channel()
+    got = [ch.basic_get("big", auto_ack=True)[2] for _ in range(2)]
+    conn.close()
+    assert got[0] == body and got[1] == b"after"
+
+
 def test_a_member_that_lost_its_store_takes_a_copy_larger_than_the_slow_limit(
     cluster: Cluster,
 ) -> None:

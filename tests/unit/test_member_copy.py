@@ -170,10 +170,30 @@ def test_a_copy_is_no_sign_of_a_slow_reader_until_it_has_left(slow_bytes: int) -
         follower.transport.unsent = BODY  # the copy has left; what follows has not
         publish(q)
         m._flush(due=True)
-        assert m.copy_bytes.get("b") is None  # no allowance any more
+        assert follower.link.largest_unsent() < 2 * BODY  # no allowance for the copy now
         for _ in range(25):  # past the limit, with no copy before it: a slow reader
             publish(q)
             m._flush(due=True)
+        assert follower.transport.aborted
+
+    asyncio.run(run())
+
+
+def test_one_message_larger_than_the_limit_is_no_sign_of_a_slow_reader(slow_bytes: int) -> None:
+    """A message larger than SLOW_BYTES (up to max_message_size) goes to a follower that
+    reads; what waits behind it still counts. One of 100 MiB got a follower cut off at every
+    connection, for ever."""
+
+    async def run() -> None:
+        m, follower, _b = primary_with_follower()
+        big = 3 * slow_bytes
+        m._write("b", b"x" * big)
+        assert not follower.transport.aborted
+        for _ in range(20):  # the limit's worth behind it
+            m._write("b", b"y" * BODY)
+        assert not follower.transport.aborted
+        follower.transport.unsent -= big // 2  # half of it taken, none of what follows
+        m._write("b", b"y" * BODY)  # one more behind it, past the limit: a slow reader
         assert follower.transport.aborted
 
     asyncio.run(run())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from tandem.broker.replication import wire
@@ -44,6 +44,11 @@ class Link(asyncio.Protocol):
         self.error: BaseException | None = None  # why it ended, once it did
         self.takes: tuple[int, ...] = ()  # the newer kinds the peer said it reads (wire.TAKES)
         self.resting = False  # reading paused until the next turn: a slice was used up
+        self.written = 0  # bytes written in all (`largest_unsent`)
+        # The writes still (partly) in the write buffer that are, or may become, the largest
+        # of them: (bytes written in all up to its end, its size), each smaller than the one
+        # before: the first is the largest, and goes once it has been sent.
+        self.unsent_writes: collections.deque[tuple[int, int]] = collections.deque()
 
     # -- asyncio.Protocol --
 
@@ -163,6 +168,43 @@ class Link(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         self.transport.write(data)
+        self._wrote(len(data))
+
+    def write_parts(self, parts: Sequence[bytes]) -> None:
+        """Write `parts` (a copy's messages), counted as one write (`largest_unsent`)."""
+        for data in parts:
+            self.transport.write(data)
+        self._wrote(sum(len(data) for data in parts))
+
+    def largest_unsent(self) -> int:
+        """The most bytes of one write (or copy) still in the write buffer. However large,
+        one write says nothing of how fast the peer reads: what waits with it does
+        (`Member._write`)."""
+        writes = self._unsent_writes()
+        if not writes:
+            return 0
+        end, size = writes[0]  # the largest; those after it are wholly unsent
+        first = min(size, end - self.written + self.unsent())
+        return max(first, writes[1][1]) if len(writes) > 1 else first
+
+    def unsent(self) -> int:
+        """The bytes in the write buffer."""
+        return int(self.transport.get_write_buffer_size())
+
+    def _unsent_writes(self) -> collections.deque[tuple[int, int]]:
+        sent = self.written - self.unsent()
+        writes = self.unsent_writes
+        while writes and writes[0][0] <= sent:
+            writes.popleft()
+        return writes
+
+    def _wrote(self, size: int) -> None:
+        self.written += size
+        writes = self._unsent_writes()
+        while writes and writes[-1][1] <= size:
+            writes.pop()  # sent before this one, and no larger: never the largest again
+        if self.unsent():
+            writes.append((self.written, size))
 
     def is_closing(self) -> bool:
         return bool(self.transport.is_closing())

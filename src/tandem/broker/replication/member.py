@@ -15,8 +15,9 @@ commands (fence, promote, follow, and the election record's ISR), and the Sequen
   `FLOW_RECORDS` or `FLOW_BYTES`) stops reading its publishers until they have caught up to
   half of that (the node's flow control): a publisher that does not wait for confirms would
   otherwise run ahead of the members until the controller drops them from the ISR;
-- a follower whose unsent bytes pass `SLOW_BYTES` is disconnected: the primary's memory stays
-  bounded, the controller drops the member from the ISR (rule 4), and it catches up later;
+- a follower whose unsent bytes pass `SLOW_BYTES` beyond the largest write among them (one
+  message, however large, or a copy) is disconnected: the primary's memory stays bounded,
+  the controller drops the member from the ISR (rule 4), and it catches up later;
 - the epoch and the cluster id live in `<data_dir>/cluster.json`, written before an answer
   leaves, so a restart never forgets an epoch it adopted (rule 1), and a member whose store
   belongs to another cluster refuses to join and says why.
@@ -130,12 +131,13 @@ class State:
 class _Making:
     """A copy being made for a follower: what else was to go to it meanwhile."""
 
-    __slots__ = ("held", "made", "size", "started")
+    __slots__ = ("held", "largest", "made", "size", "started")
 
     def __init__(self, made: asyncio.Future[list[bytes]]) -> None:
         self.made = made  # the copy's bytes, once made
         self.held: list[bytes] = []
         self.size = 0
+        self.largest = 0  # the largest of `held`
         self.started = time.monotonic()
 
 
@@ -208,9 +210,6 @@ class Member:
         # The session each follower's last copy answered, over its current connection: a
         # Hello it repeats while the copy is made or travels gets no second copy.
         self.copied: dict[str, core.Session] = {}
-        # A follower's unsent bytes when its copy was written, and its bytes written since:
-        # the copy is no sign of a slow reader until it has left the buffer.
-        self.copy_bytes: dict[str, list[int]] = {}
         self.refused: str | None = None  # why this member cannot join its primary
         self.blocked: str | None = None  # why publishers wait, as the node was last told
         self.flowing = False  # publishers are not read until the followers catch up
@@ -507,9 +506,7 @@ class Member:
             time.monotonic() - making.started,
             sum(len(data) for data in parts),
         )
-        for data in parts:
-            writer.write(data)
-        self.copy_bytes[dest] = [writer.transport.get_write_buffer_size(), 0]
+        writer.write_parts(parts)  # as one write: no sign of a slow reader (`_write`)
         for data in making.held:
             self._write(dest, data)
 
@@ -541,7 +538,8 @@ class Member:
         if making is not None:
             making.held.append(data)  # after the copy being made
             making.size += len(data)
-            if making.size > SLOW_BYTES:
+            making.largest = max(making.largest, len(data))
+            if making.size > SLOW_BYTES + making.largest:
                 log.warning(
                     "node %s: more than %d bytes for member %s waited for its copy; "
                     "disconnecting it (it asks again when it returns)",
@@ -555,16 +553,11 @@ class Member:
         if writer is None or writer.is_closing():
             return  # as if lost: the core's retries and rejoins cover it
         writer.write(data)
-        unsent = writer.transport.get_write_buffer_size()
-        allowance = 0
-        copy = self.copy_bytes.get(dest)
-        if copy is not None:
-            copy[1] += len(data)
-            if unsent <= copy[1]:
-                del self.copy_bytes[dest]  # what was unsent with the copy has left
-            else:
-                allowance = copy[0]
-        if unsent > SLOW_BYTES + allowance and dest in self.peers:
+        # One write, however large (a message up to max_message_size, a copy), is no sign
+        # of a slow reader, only what waits behind it: a follower sent a message of 100 MiB
+        # was cut off at every connection, for ever, and the message never confirmed.
+        unsent = writer.unsent()
+        if unsent > SLOW_BYTES + writer.largest_unsent() and dest in self.peers:
             log.warning(
                 "node %s: member %s is %d bytes behind on the wire; disconnecting it (it "
                 "catches up when it returns)",
@@ -758,7 +751,6 @@ class Member:
         being made for it is not sent, and a Hello over the next connection gets its own."""
         self.copying.pop(peer, None)
         self.copied.pop(peer, None)
-        self.copy_bytes.pop(peer, None)
 
     def _cut_off(self, peer: str) -> None:
         self._forget(peer)
