@@ -618,7 +618,7 @@ def test_a_message_larger_than_the_slow_limit_reaches_the_backup_and_confirms(
     send up to max_message_size, 128 MiB) says nothing of how fast it reads: one of 100 MiB
     got the backup cut off at every connection, for ever, and was never confirmed."""
     a, b = cluster.pair()
-    body = bytes(range(256)) * (70 * 1024 * 1024 // 256)
+    body = bytes(range(256)) * (100 * 1024 * 1024 // 256)
     conn = pika.BlockingConnection(pika.URLParameters(a.url()))
     ch = conn.channel()
     ch.queue_declare("big", durable=True)

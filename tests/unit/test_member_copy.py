@@ -199,6 +199,43 @@ def test_one_message_larger_than_the_limit_is_no_sign_of_a_slow_reader(slow_byte
     asyncio.run(run())
 
 
+def test_a_repeated_hello_gets_the_records_it_lacks_once(slow_bytes: int) -> None:
+    """A follower's tick repeats its Hello until the Sync answering it arrives: the records
+    it lacks go once per session. Sent again behind a large message still on its way, they
+    got the follower cut off, and again at every connection."""
+
+    async def run() -> None:
+        m, follower, _b = primary_with_follower()
+        hello = core.Hello("b", 1, (5, 1), (), 0, True, None)  # holds nothing, whole
+        m.on_peer(hello)
+        assert follower.kinds() == [wire.SYNC] and "b" not in m.copying  # not a copy
+        m.on_peer(hello)  # repeated while the Sync travels
+        assert follower.kinds() == [wire.SYNC]
+        m.on_peer(core.Hello("b", 1, (5, 2), (), 0, True, None))  # a new attempt
+        assert follower.kinds() == [wire.SYNC, wire.SYNC]
+
+    asyncio.run(run())
+
+
+def test_what_waited_for_a_copy_goes_with_it_however_large(slow_bytes: int) -> None:
+    """Records for a follower held while its copy is made go out with the copy, as one
+    write: held, they were bounded at SLOW_BYTES beside the largest of them, and written
+    one by one after the copy they got the follower cut off."""
+
+    async def run() -> None:
+        m, follower, _b = primary_with_follower()
+        m.on_peer(core.Hello("b", 1, (5, 1), (), 0, False, None))
+        making = m.copying["b"]
+        m._write("b", b"x" * (2 * slow_bytes))  # an Append of a large message, held
+        m._write("b", b"y" * (slow_bytes // 2))
+        assert not follower.transport.aborted and len(making.held) == 2
+        await copy_made(m)
+        assert not follower.transport.aborted
+        assert follower.transport.data.endswith(b"x" * (2 * slow_bytes) + b"y" * (slow_bytes // 2))
+
+    asyncio.run(run())
+
+
 def test_a_copy_made_for_a_primary_that_stepped_down_is_not_sent(slow_bytes: int) -> None:
     async def run() -> None:
         m, follower, _b = primary_with_follower()

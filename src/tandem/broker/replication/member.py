@@ -207,8 +207,10 @@ class Member:
         # Followers whose copy is being made on another thread: what else goes to them
         # meanwhile is held and sent after it, in the order the core meant.
         self.copying: dict[str, _Making] = {}
-        # The session each follower's last copy answered, over its current connection: a
-        # Hello it repeats while the copy is made or travels gets no second copy.
+        # The session each follower's last Sync (a copy, or the records it lacks) answered,
+        # over its current connection: a Hello it repeats while that Sync is made or travels
+        # gets no second one. A second Sync of a 100 MiB message, on top of the first, got
+        # the follower cut off (`_write`), and again at every connection.
         self.copied: dict[str, core.Session] = {}
         self.refused: str | None = None  # why this member cannot join its primary
         self.blocked: str | None = None  # why publishers wait, as the node was last told
@@ -451,6 +453,8 @@ class Member:
             if isinstance(msg, core.Sync) and isinstance(msg.full, Copy):
                 self._send_copy(dest, msg)
                 continue
+            if isinstance(msg, core.Sync):
+                self.copied[dest] = msg.session
             if isinstance(msg, core.Append):
                 # The same records go to every follower: encoded once for those that read
                 # the same kinds.
@@ -506,9 +510,9 @@ class Member:
             time.monotonic() - making.started,
             sum(len(data) for data in parts),
         )
-        writer.write_parts(parts)  # as one write: no sign of a slow reader (`_write`)
-        for data in making.held:
-            self._write(dest, data)
+        # As one write, what waited for the copy with it: no sign of a slow reader
+        # (`_write`), and the held bytes were bounded while they waited.
+        writer.write_parts([*parts, *making.held])
 
     def _ack_on_disk(self, store: Store, dest: str, msg: core.Ack) -> None:
         """Send `msg` once the records it acks are on disk (rule 3): when the write that
@@ -541,8 +545,8 @@ class Member:
             making.largest = max(making.largest, len(data))
             if making.size > SLOW_BYTES + making.largest:
                 log.warning(
-                    "node %s: more than %d bytes for member %s waited for its copy; "
-                    "disconnecting it (it asks again when it returns)",
+                    "node %s: more than %d bytes beside its largest message for member %s "
+                    "waited for its copy; disconnecting it (it asks again when it returns)",
                     self.node,
                     SLOW_BYTES,
                     dest,
@@ -613,8 +617,9 @@ class Member:
             self.deferred.append(msg)  # taken once loaded (`loaded`)
             return
         if isinstance(msg, core.Hello) and self.copied.get(msg.sender) == msg.session:
-            # Repeated by the follower's tick while its copy is made or travels: the core
-            # would capture the queues again (50 ms for three million messages) for nothing.
+            # Repeated by the follower's tick while its Sync is made or travels: the core
+            # would capture the queues again (50 ms for three million messages), or send
+            # the records again, for nothing.
             return
         before = (self.replica.role, self.replica.epoch)
         if isinstance(msg, core.Sync) and msg.full is not None:
