@@ -186,6 +186,10 @@ class Kubelet:
         config["definitions"] = str(users_file)
         broker = self.brokers.get(node) or Broker(self.tmp / node, config, node_id=node)
         self.brokers[node] = broker
+        # A new pod is a new address (its IP, in a cluster): here, new ports. The last
+        # pod's ports, taken again, were once taken meanwhile by another socket, and the
+        # member never came back.
+        broker.amqp_port = broker.admin_port = 0
         await asyncio.to_thread(broker.start)
         template = sts["spec"]["template"]
         pod = {
