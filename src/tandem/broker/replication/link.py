@@ -180,30 +180,33 @@ class Link(asyncio.Protocol):
         """The most bytes of one write (or copy) still in the write buffer. However large,
         one write says nothing of how fast the peer reads: what waits with it does
         (`Member._write`)."""
-        writes = self._unsent_writes()
+        sent = self._drop_sent()
+        writes = self.unsent_writes
         if not writes:
             return 0
         end, size = writes[0]  # the largest; those after it are wholly unsent
-        first = min(size, end - self.written + self.unsent())
+        first = min(size, end - sent)
         return max(first, writes[1][1]) if len(writes) > 1 else first
 
     def unsent(self) -> int:
         """The bytes in the write buffer."""
         return int(self.transport.get_write_buffer_size())
 
-    def _unsent_writes(self) -> collections.deque[tuple[int, int]]:
+    def _drop_sent(self) -> int:
+        """Forget the writes wholly sent; the bytes sent in all."""
         sent = self.written - self.unsent()
         writes = self.unsent_writes
         while writes and writes[0][0] <= sent:
             writes.popleft()
-        return writes
+        return sent
 
     def _wrote(self, size: int) -> None:
         self.written += size
-        writes = self._unsent_writes()
+        sent = self._drop_sent()
+        writes = self.unsent_writes
         while writes and writes[-1][1] <= size:
             writes.pop()  # sent before this one, and no larger: never the largest again
-        if self.unsent():
+        if self.written > sent:
             writes.append((self.written, size))
 
     def is_closing(self) -> bool:

@@ -561,7 +561,11 @@ class Member:
         # of a slow reader, only what waits behind it: a follower sent a message of 100 MiB
         # was cut off at every connection, for ever, and the message never confirmed.
         unsent = writer.unsent()
-        if unsent > SLOW_BYTES + writer.largest_unsent() and dest in self.peers:
+        if (
+            unsent > SLOW_BYTES  # else no need to look at the writes it holds
+            and unsent > SLOW_BYTES + writer.largest_unsent()
+            and dest in self.peers
+        ):
             log.warning(
                 "node %s: member %s is %d bytes behind on the wire; disconnecting it (it "
                 "catches up when it returns)",
