@@ -250,6 +250,24 @@ def test_records_are_checksummed_with_crc32c() -> None:
         assert crc == records.crc32c(data[records.REC_HDR.size :])
 
 
+@pytest.mark.parametrize("extra", [-1, 0, 1, records.CRC_SLICE + 7])
+@pytest.mark.parametrize("salt", [0, 0x5A17])
+def test_a_record_larger_than_a_checksum_slice_is_checked_whole(extra: int, salt: int) -> None:
+    """A record is checked a slice at a time (`CRC_SLICE`): not one 100 MiB copy of fresh
+    memory for the C library. Damage in its first, middle or last byte is found."""
+    payload = os.urandom(2 * records.CRC_SLICE + extra)
+    data = bytearray(b"x" * 5 + records.frame(records.ENQUEUE, 2, 7, payload) + b"next")
+    _magic, length, crc = records.REC_HDR.unpack_from(data, 5)
+    if salt:  # a reused segment's record: its checksum salted
+        records.REC_HDR.pack_into(data, 5, records.MAGIC_SALTED, length, crc ^ salt)
+    assert records.problem_at(bytes(data), 5, salt) is None
+    end = 5 + records.REC_HDR.size + length
+    for at in (5 + records.REC_HDR.size, 5 + records.REC_HDR.size + records.CRC_SLICE, end - 1):
+        damaged = bytearray(data)
+        damaged[at] ^= 0x01
+        assert records.problem_at(bytes(damaged), 5, salt) == "checksum mismatch"
+
+
 def test_records_written_before_crc32c_are_read_and_checked() -> None:
     """A log (or a copy) an earlier version wrote is read as it was; a damaged old record
     is still found, and reading goes on at the next record of either kind."""
