@@ -126,3 +126,152 @@ def _last(follower: Follower) -> bytes:
 )
 def test_the_other_kinds_read_back_as_they_were_sent(msg: core.PeerMessage) -> None:
     assert wire.decode(wire.encode(msg, wire.TAKES)) == msg
+
+
+def _messages(data: bytes) -> list[bytes]:
+    out = []
+    while data:
+        split = wire.split(data)
+        assert split is not None
+        out.append(data[: split[1]])
+        data = data[split[1] :]
+    return out
+
+
+def _large_append() -> core.Append:
+    """Small frames and large ones, as one turn's commit of a transaction."""
+    small = [records.frame(records.DEQUEUE, 3, n, b"ack %03d" % n) for n in range(41, 44)]
+    large = [records.frame(records.ENQUEUE, 3, n, bytes([n]) * 9_000) for n in range(44, 50)]
+    return core.Append("tandem-0", 3, 41, [*small, *large, *small])
+
+
+@pytest.mark.parametrize("cap", [20_000, 9_100, 1])
+def test_a_large_append_goes_in_parts_a_receiver_takes_and_reads_as_one(
+    monkeypatch: pytest.MonkeyPatch, cap: int
+) -> None:
+    """An Append of more than APPEND_MESSAGE bytes of frames goes as APPEND_PART messages,
+    then the APPEND_B, each at most that many bytes of frames or one larger frame: a
+    transaction of eleven 100 MiB messages was one message over the 1 GiB a receiver takes,
+    and the follower reconnected and took a copy at every commit. A follower reads them back
+    as the one Append; one that does not take them gets the one message."""
+    monkeypatch.setattr(wire, "APPEND_MESSAGE", cap)
+    append = _large_append()
+    parts = wire.encode_append(append, wire.TAKES)
+    messages = _messages(b"".join(parts))
+    assert [m[4] for m in messages] == [wire.APPEND_PART] * (len(messages) - 1) + [wire.APPEND_B]
+    assert len(messages) > 1
+    for data in messages:
+        frames = wire.frames(data[wire.HEAD_SIZE + int.from_bytes(data[5:9], "big") :])
+        assert sum(map(len, frames)) <= cap or len(frames) == 1
+    large = [f for f in append.entries if len(f) >= records.BIG]
+    assert all(any(p is f for p in parts) for f in large)  # written as they are, not joined
+    upstream = wire.Upstream()
+    got = [upstream.take(m) for m in messages]
+    assert got[:-1] == [None] * (len(messages) - 1)
+    assert _same_append(got[-1], append)
+    assert upstream.take(wire.encode(append, wire.TAKES)) is not None  # nothing left over
+    old = wire.encode_append(append, (wire.APPEND_B, wire.ACK_B))  # a member from before
+    assert len(old) == 1 and old[0][4] == wire.APPEND_B
+    assert _same_append(wire.decode(old[0]), append)
+    with pytest.raises(wire.WireError):
+        wire.decode(messages[0])  # a part alone, as a member from before reads it: refused
+
+
+def test_an_append_of_up_to_the_limit_goes_as_one_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    append = _large_append()
+    size = sum(map(len, append.entries))
+    monkeypatch.setattr(wire, "APPEND_MESSAGE", size)
+    assert wire.encode_append(append, wire.TAKES) == [wire.encode(append, wire.TAKES)]
+    monkeypatch.setattr(wire, "APPEND_MESSAGE", size - 1)
+    assert len(_messages(b"".join(wire.encode_append(append, wire.TAKES)))) == 2
+
+
+@pytest.mark.parametrize("then", ["another append's part", "an ack", "another append"])
+def test_the_parts_of_an_append_not_followed_by_its_end_end_the_link(
+    monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """A primary writes an Append's messages one after another: anything else between them
+    is a broken stream, not a message to take with some of an Append's records."""
+    monkeypatch.setattr(wire, "APPEND_MESSAGE", 20_000)
+    first = _messages(b"".join(wire.encode_append(_large_append(), wire.TAKES)))[0]
+    other = core.Append("tandem-0", 3, 60, _large_append().entries)
+    after = {
+        "another append's part": _messages(b"".join(wire.encode_append(other, wire.TAKES)))[0],
+        "an ack": wire.encode(core.Ack("tandem-0", 3, (1, 1), 40), wire.TAKES),
+        "another append": wire.encode(core.Append("tandem-0", 3, 60, FRAMES), wire.TAKES),
+    }[then]
+    upstream = wire.Upstream()
+    assert upstream.take(first) is None
+    with pytest.raises(wire.WireError, match="not followed by its end"):
+        upstream.take(after)
+
+
+def test_a_primary_writes_a_large_append_in_parts_as_one_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A follower that takes APPEND_PART gets a large Append in parts, one that does not as
+    one message; for the slow-reader limit the parts are one write, as that message is."""
+    monkeypatch.setattr(wire, "APPEND_MESSAGE", 3_000)
+
+    async def run() -> None:
+        m, old, b = primary_with_follower()
+        new = Follower()
+        new.link.takes = wire.TAKES
+        m.peers["c"] = new.link
+        for node in ("b", "c"):
+            m.on_peer(core.Hello(node, 1, (5, 1), (), 0, False, None))
+            await m.copying[node].made
+        new.transport.unsent = 0  # the copy has left
+        q = b.vhost("/").queues["q"]
+        for _ in range(10):
+            publish(q)  # 1,000-byte bodies: a few records to a part
+        b.journal.when_done(lambda: None)
+        m._flush()
+        assert old.kinds() == [wire.SYNC, wire.APPEND]
+        kinds = new.kinds()
+        assert kinds[0] == wire.SYNC and kinds[-1] == wire.APPEND_B
+        assert kinds[1:-1] == [wire.APPEND_PART] * (len(kinds) - 2) and len(kinds) > 3
+        upstream = wire.Upstream()
+        messages = _messages(new.data)[1:]
+        got = [upstream.take(data) for data in messages][-1]
+        assert _same_append(got, wire.decode(_last(old)))
+        sent = sum(map(len, messages))
+        assert new.link.largest_unsent() == sent  # the parts, counted as one write
+
+    asyncio.run(run())
+
+
+def test_a_large_body_is_shipped_as_it_came_not_joined_into_its_frame() -> None:
+    """A record with a large body is kept and shipped as its parts, the body the one the
+    client sent: joined for shipping, a transaction of eleven 100 MiB messages held the
+    primary's loop for seconds. Followers old and new read the record whole."""
+    from pamqp import commands
+
+    from tandem.broker.model import message
+    from tandem.broker.model.message import Message
+
+    async def run() -> None:
+        m, old, b = primary_with_follower()
+        new = Follower()
+        new.link.takes = wire.TAKES
+        m.peers["c"] = new.link
+        for node in ("b", "c"):
+            m.on_peer(core.Hello(node, 1, (5, 1), (), 0, False, None))
+            await m.copying[node].made
+        body = b"z" * (4 * records.BIG)
+        props = commands.Basic.Properties(delivery_mode=2).marshal()
+        msg = Message("", "q", message.encode_route("", "q"), props, body, len(body))
+        message.scan(msg)
+        b.vhost("/").queues["q"].enqueue(msg)
+        b.journal.when_done(lambda: None)
+        m._flush()
+        kept = m.log.window[-1][1]
+        assert isinstance(kept, list) and any(part is body for part in kept)
+        for follower in (old, new):
+            got = wire.decode(_last(follower))
+            assert isinstance(got, core.Append)
+            frame = got.entries[-1]
+            assert frame == b"".join(kept) and records.problem_at(frame, 0) is None
+            assert records.read_enqueue(records.payload(frame))[5] == body
+
+    asyncio.run(run())

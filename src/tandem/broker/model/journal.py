@@ -269,8 +269,8 @@ class Shipper(Protocol):
     def held(self) -> int:
         """Every shipped record up to this offset is held by the ISR."""
 
-    def ship(self, data: bytes, offset: int) -> None:
-        """Send a record's frame to the followers."""
+    def ship(self, data: records.Framed, offset: int) -> None:
+        """Send a record's frame (or its parts) to the followers."""
 
     def soon(self) -> None:
         """Records are waiting (`Sequencer.marks`): ship them before this turn ends."""
@@ -479,9 +479,7 @@ class Sequencer:
         if self.shipper is not None:
             if not replicated:
                 data = records.frame(records.NOOP, self.epoch, offset, NOOP_PAYLOAD, False, more)
-            elif not isinstance(data, bytes):
-                data = b"".join(data)  # kept and sent as one record
-            self.shipper.ship(data, offset)
+            self.shipper.ship(data, offset)  # a large body's parts as they are, not joined
             self.last_shipped = offset
 
     def begin_group(self) -> None:

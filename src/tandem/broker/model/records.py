@@ -30,7 +30,7 @@ import decimal
 import json
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -173,6 +173,27 @@ def frame_parts(
             run = []
     if run:
         out.append(b"".join(run))
+    return out
+
+
+# A record's frame as it is shipped: one buffer, or its parts (`frame_parts`: a large body as
+# it came, never joined into a frame on the loop; a transaction of eleven 100 MiB messages
+# joined for shipping held a primary's loop past its failover delay).
+Framed = bytes | list[bytes]
+
+
+def framed_size(data: Framed) -> int:
+    return len(data) if isinstance(data, bytes) else sum(map(len, data))
+
+
+def buffers(frames: Iterable[Framed]) -> list[bytes]:
+    """The buffers of `frames`, in order: each frame, or each of its parts."""
+    out: list[bytes] = []
+    for data in frames:
+        if isinstance(data, bytes):
+            out.append(data)
+        else:
+            out += data
     return out
 
 

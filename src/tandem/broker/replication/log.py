@@ -67,9 +67,9 @@ class BrokerLog:
         # Until the store is loaded (`Member.loaded`), the end and boundaries its start is to
         # recover (`Store.predict`): what a restarted member tells its primary meanwhile.
         self.predicted = predicted
-        # Frames shipped or applied, newest last: (offset, frame, when kept, the bytes kept
-        # before it since the log began).
-        self.window: collections.deque[tuple[int, bytes, float, int]] = collections.deque()
+        # Frames shipped (as one buffer or as parts) or applied, newest last: (offset, frame,
+        # when kept, the bytes kept before it since the log began).
+        self.window: collections.deque[tuple[int, records.Framed, float, int]] = collections.deque()
         self.window_bytes = 0
         self.kept_bytes = 0  # bytes of all the frames ever kept
         self.window_limit = window_bytes
@@ -129,15 +129,17 @@ class BrokerLog:
         predicted = self.predicted
         return tuple(self.sequencer.boundaries) if predicted is None else predicted[1]
 
-    def keep(self, offset: int, data: bytes) -> None:
+    def keep(self, offset: int, data: records.Framed) -> None:
         """A frame shipped (or applied) at `offset`: keep it for members catching up."""
+        size = len(data) if isinstance(data, bytes) else records.framed_size(data)
         self.window.append((offset, data, self.clock(), self.kept_bytes))
-        self.window_bytes += len(data)
-        self.kept_bytes += len(data)
-        while self.window_bytes > self.window_limit and len(self.window) > 1:
-            self.window_bytes -= len(self.window.popleft()[1])
+        self.window_bytes += size
+        self.kept_bytes += size
+        window = self.window
+        while self.window_bytes > self.window_limit and len(window) > 1:
+            self.window_bytes -= records.framed_size(window.popleft()[1])
 
-    def since(self, offset: int) -> Sequence[bytes] | None:
+    def since(self, offset: int) -> Sequence[records.Framed] | None:
         if offset >= self.end:
             return ()
         window = self.window
@@ -157,7 +159,7 @@ class BrokerLog:
         entry = self._kept_after(offset)
         return 0.0 if entry is None else self.clock() - entry[2]
 
-    def _kept_after(self, offset: int) -> tuple[int, bytes, float, int] | None:
+    def _kept_after(self, offset: int) -> tuple[int, records.Framed, float, int] | None:
         """The window's entry for the record after `offset`, its first if it starts after
         that one; None when the window holds nothing after `offset`."""
         window = self.window
@@ -284,9 +286,12 @@ class BrokerLog:
         message routed to several queues has the id of its first ENQUEUE record: the
         follower lacks it in the queues whose records came after `end` (its log may end
         between them), which the ENQUEUE records since say."""
-        frames = self.since(end) if agree == end else None
-        if frames is None:
+        kept = self.since(end) if agree == end else None
+        if kept is None:
             return None
+        # A large record was kept as its parts (`records.Framed`): joined here, on a
+        # member's return, not for each record shipped.
+        frames = [data if isinstance(data, bytes) else b"".join(data) for data in kept]
         at = records.HDR_SIZE
         dequeues: list[bytes] = []
         enqueues: list[bytes] = []

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol, cast
 
-from tandem.broker.model import apply
+from tandem.broker.model import apply, records
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.replication import core, wire
@@ -137,7 +137,7 @@ class _Making:
         self.made = made  # the copy's bytes, once made
         self.held: list[bytes] = []
         self.size = 0
-        self.largest = 0  # the largest of `held`
+        self.largest = 0  # the largest write of `held` (one message, or an Append in parts)
         self.started = time.monotonic()
 
 
@@ -197,7 +197,7 @@ class Member:
         self.primary_address: tuple[str, int] | None = None
         self.link: asyncio.Task[None] | None = None
         self.tg: asyncio.TaskGroup | None = None
-        self.pending: list[bytes] = []
+        self.pending: list[records.Framed] = []
         self.pending_start = 0
         self.shipped = 0  # offset of the last record sent to the followers
         self.flush_scheduled = False
@@ -240,7 +240,7 @@ class Member:
     def held(self) -> int:
         return self.replica.confirmed if self.replica.role is Role.PRIMARY else 0
 
-    def ship(self, data: bytes, offset: int) -> None:
+    def ship(self, data: records.Framed, offset: int) -> None:
         self.log.keep(offset, data)
         if offset - self.last_checkpoint >= CHECKPOINT_EVERY and not self.checkpoint_scheduled:
             self.checkpoint_scheduled = True
@@ -440,7 +440,7 @@ class Member:
                 self.flow_episodes += 1
 
     def _send(self, outs: Sequence[core.Out]) -> None:
-        made: tuple[core.Append, tuple[int, ...], bytes] | None = None  # the last Append
+        made: tuple[core.Append, tuple[int, ...], list[bytes]] | None = None  # the last Append
         for dest, msg in outs:
             if self.loading and isinstance(msg, core.Hello):
                 if msg.digest is None:
@@ -460,8 +460,8 @@ class Member:
                 # the same kinds.
                 takes = self._takes(dest)
                 if made is None or made[1] != takes or not _same(made[0], msg):
-                    made = (msg, takes, wire.encode(msg, takes))
-                self._write(dest, made[2])
+                    made = (msg, takes, wire.encode_append(msg, takes))
+                self._write_parts(dest, made[2])
                 continue
             self._write(dest, wire.encode(msg, self._takes(dest)))
 
@@ -538,11 +538,17 @@ class Member:
         self._write(ack.dest, wire.encode(ack.msg, self._takes(ack.dest)))
 
     def _write(self, dest: str, data: bytes) -> None:
+        self._write_parts(dest, (data,))
+
+    def _write_parts(self, dest: str, parts: Sequence[bytes]) -> None:
+        """Write `parts` (one message, or a large Append's messages) to `dest`, as one
+        write: after the copy being made for it, if one is."""
         making = self.copying.get(dest)
         if making is not None:
-            making.held.append(data)  # after the copy being made
-            making.size += len(data)
-            making.largest = max(making.largest, len(data))
+            size = sum(map(len, parts))
+            making.held += parts  # after the copy being made
+            making.size += size
+            making.largest = max(making.largest, size)
             if making.size > SLOW_BYTES + making.largest:
                 log.warning(
                     "node %s: more than %d bytes beside its largest message for member %s "
@@ -556,7 +562,10 @@ class Member:
         writer = self._link(dest)
         if writer is None or writer.is_closing():
             return  # as if lost: the core's retries and rejoins cover it
-        writer.write(data)
+        if len(parts) == 1:
+            writer.write(parts[0])
+        else:
+            writer.write_parts(parts)
         # One write, however large (a message up to max_message_size, a copy), is no sign
         # of a slow reader, only what waits behind it: a follower sent a message of 100 MiB
         # was cut off at every connection, for ever, and the message never confirmed.

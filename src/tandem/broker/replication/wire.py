@@ -10,7 +10,10 @@ still gets APPEND and ACK. Entries (and a full copy) are record frames, sent as
 they are on disk, one after another (each frame says its own length). A copy larger than
 `COPY_MESSAGE` goes as SYNC_PART messages, each with some of its frames, then the SYNC with
 the rest: no message need be larger than a receiver takes (`MAX_MESSAGE`), and a receiver
-that does not know SYNC_PART refuses it rather than installing part of a copy. Before any peer
+that does not know SYNC_PART refuses it rather than installing part of a copy. An Append
+larger than `APPEND_MESSAGE` (a transaction of many large messages is one turn's records) goes
+the same way, as APPEND_PART messages then the APPEND_B, to a peer that takes them: its frames
+are written as they are, never joined into one buffer on the loop. Before any peer
 message, the two ends authenticate: the listener sends a challenge with its protocol
 version and cluster, the member that connects answers with an HMAC of the challenge under
 the cluster key, and the listener welcomes or refuses it with a reason.
@@ -36,10 +39,13 @@ MAX_MESSAGE: Final = 1 << 30
 # Not Final, as the other constants are: a test makes them small to see a copy cut up.
 PIECE_BYTES = 4 << 20  # frames joined at a time into a piece of a copy (encode_parts)
 COPY_MESSAGE = 256 << 20  # frames' bytes in one message of a copy
+APPEND_MESSAGE = 256 << 20  # frames' bytes past which an Append goes in parts (encode_append)
 
 HELLO, SYNC, APPEND, ACK, REJOIN, STALE, SYNC_PART = 1, 2, 3, 4, 5, 6, 7
 APPEND_B, ACK_B = 8, 9  # APPEND and ACK with packed headers, to a peer that takes them
-TAKES: Final = (APPEND_B, ACK_B)  # the kinds past version 1's first ones that this member reads
+APPEND_PART: Final = 15  # some of a large Append's frames, before the APPEND_B with the rest
+# The kinds past version 1's first ones that this member reads.
+TAKES: Final = (APPEND_B, ACK_B, APPEND_PART)
 APPEND_HEAD: Final = struct.Struct(">QQH")  # epoch, start, the sender's length; then the sender
 ACK_HEAD: Final = struct.Struct(">QQQQH")  # epoch, session, offset, the sender's length; the sender
 HEAD_SIZE: Final[int] = HEAD.size  # the sizes as ints, which compiled code reads directly
@@ -65,8 +71,8 @@ class WireError(Exception):
     """A message that does not parse: the connection is closed."""
 
 
-def pack(kind: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> bytes:
-    body = b"".join(frames)
+def pack(kind: int, header: dict[str, Any], frames: Sequence[records.Framed] = ()) -> bytes:
+    body = _joined(frames)
     return _head(kind, json.dumps(header, separators=(",", ":")).encode(), len(body)) + body
 
 
@@ -80,13 +86,70 @@ def encode(msg: core.PeerMessage, takes: Sequence[int] = ()) -> bytes:
     if isinstance(msg, core.Append) and APPEND_B in takes:
         sender = msg.sender.encode()
         head = APPEND_HEAD.pack(msg.epoch, msg.start, len(sender)) + sender
-        body = b"".join(msg.entries)
+        body = _joined(msg.entries)
         return _head(APPEND_B, head, len(body)) + body
     if isinstance(msg, core.Ack) and ACK_B in takes:
         sender = msg.sender.encode()
         a, b = msg.session
         return _head(ACK_B, ACK_HEAD.pack(msg.epoch, a, b, msg.offset, len(sender)) + sender, 0)
     return pack(*_fields(msg))
+
+
+def _joined(frames: Sequence[Any]) -> bytes:
+    """Frames (`records.Framed`: a large record shipped as its parts) joined as one body."""
+    try:
+        return b"".join(frames)
+    except TypeError:  # a record's parts among them
+        return b"".join(records.buffers(frames))
+
+
+def encode_append(msg: core.Append, takes: Sequence[int] = ()) -> list[bytes]:
+    """`msg` as bytes to write one after another. Up to `APPEND_MESSAGE` bytes of frames, or
+    to a peer that does not take APPEND_PART: one message (`encode`). Larger (one turn's
+    commit of a transaction of large messages passed the 1 GiB a receiver takes, and the
+    join of it held the loop for seconds): APPEND_PART messages of at most that many bytes
+    of frames (or one larger frame), then the APPEND_B, each with the Append's own header;
+    the frames go as they are, small ones joined in runs."""
+    entries: Sequence[records.Framed] = msg.entries
+    if APPEND_PART not in takes:
+        return [encode(msg, takes)]
+    sizes = [records.framed_size(data) for data in entries]
+    if sum(sizes) <= APPEND_MESSAGE:
+        return [encode(msg, takes)]
+    sender = msg.sender.encode()
+    head = APPEND_HEAD.pack(msg.epoch, msg.start, len(sender)) + sender
+    messages: list[tuple[list[records.Framed], int]] = []
+    group: list[records.Framed] = []
+    size = 0
+    for data, n in zip(entries, sizes, strict=True):
+        if group and size + n > APPEND_MESSAGE:
+            messages.append((group, size))
+            group, size = [], 0
+        group.append(data)
+        size += n
+    messages.append((group, size))
+    out: list[bytes] = []
+    for i, (group, size) in enumerate(messages, 1):
+        out.append(_head(APPEND_B if i == len(messages) else APPEND_PART, head, size))
+        out += _runs(records.buffers(group))
+    return out
+
+
+def _runs(buffers: list[bytes]) -> list[bytes]:
+    """`buffers` to write: runs of small ones joined, large ones (bodies) as they are."""
+    out: list[bytes] = []
+    small: list[bytes] = []
+    for data in buffers:
+        if len(data) < records.BIG:
+            small.append(data)
+            continue
+        if small:
+            out.append(b"".join(small))
+            small = []
+        out.append(data)
+    if small:
+        out.append(b"".join(small))
+    return out
 
 
 def takes(said: dict[str, Any]) -> tuple[int, ...]:
@@ -182,6 +245,12 @@ def split(data: bytes) -> tuple[int, int] | None:
 
 def header(data: bytes) -> tuple[int, dict[str, Any], bytes]:
     """(kind, header, the frames' bytes) of one whole message."""
+    kind, h, start, stop = _header(data)
+    return kind, h, data[start:stop]
+
+
+def _header(data: bytes) -> tuple[int, dict[str, Any], int, int]:
+    """(kind, header, where its frames start and stop) of one whole message."""
     length: int
     kind: int
     hlen: int
@@ -193,13 +262,15 @@ def header(data: bytes) -> tuple[int, dict[str, Any], bytes]:
         raise WireError(f"bad message header: {exc}") from None
     if not isinstance(h, dict):
         raise WireError("bad message header: not an object")
-    return kind, h, data[start + hlen : 4 + length]
+    return kind, h, start + hlen, 4 + length
 
 
-def frames(data: bytes) -> list[bytes]:
-    """Split checked record frames; a frame that does not check out ends the connection."""
+def frames(data: bytes, start: int = 0, stop: int = -1) -> list[bytes]:
+    """Split checked record frames, of `data[start:stop]` (to its end by default): each is
+    sliced once from the message, its bytes not copied out first. A frame that does not
+    check out ends the connection."""
     out: list[bytes] = []
-    pos, n = 0, len(data)
+    pos, n = start, len(data) if stop < 0 else stop
     length: int
     while pos < n:
         problem = records.problem_at(data, pos)
@@ -207,29 +278,50 @@ def frames(data: bytes) -> list[bytes]:
             raise WireError(f"a record frame does not check out: {problem}")
         _magic, length, _crc = records.REC_HDR.unpack_from(data, pos)
         end = pos + records.HDR_SIZE + length
+        if end > n:
+            raise WireError("a record frame runs past its message")
         out.append(data[pos:end])
         pos = end
     return out
 
 
 class Upstream:
-    """What a follower reads from its primary, a message at a time: peer messages, and a
-    copy's SYNC_PART messages put back together with the SYNC that ends them."""
+    """What a follower reads from its primary, a message at a time: peer messages, a copy's
+    SYNC_PART messages put back together with the SYNC that ends them, and a large Append's
+    APPEND_PART messages with the APPEND_B that ends them."""
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []  # the frames of a copy so far
         self.session: core.Session | None = None
+        self.append_parts: list[bytes] = []  # the frames of an Append so far
+        self.append_head: bytes = b""  # its header, which each of its messages repeats
 
     def take(self, data: bytes) -> core.PeerMessage | None:
-        if data[4] == SYNC_PART:
-            kind, h, body = header(data)
+        kind = data[4]
+        if kind == APPEND_PART:
+            head, start, stop = _append_part(data)
+            if self.append_parts and head != self.append_head:
+                raise WireError("the parts of an Append were not followed by its end")
+            self.append_head = head
+            self.append_parts += frames(data, start, stop)
+            return None
+        if self.append_parts:
+            parts, self.append_parts = self.append_parts, []
+            head, self.append_head = self.append_head, b""
+            if kind != APPEND_B or _append_part(data)[0] != head:
+                raise WireError("the parts of an Append were not followed by its end")
+            msg = decode(data)
+            assert isinstance(msg, core.Append)
+            return dataclasses.replace(msg, entries=[*parts, *msg.entries])
+        if kind == SYNC_PART:
+            _kind, h, start, stop = _header(data)
             try:
                 session = _session(h["session"])
             except (KeyError, TypeError, ValueError) as exc:
                 raise WireError(f"bad message of kind {kind}: {exc!r}") from None
             if session != self.session:
                 self.parts, self.session = [], session
-            self.parts += frames(body)
+            self.parts += frames(data, start, stop)
             return None
         msg = decode(data)
         if isinstance(msg, core.Sync) and msg.full is not None and self.parts:
@@ -240,9 +332,19 @@ class Upstream:
 
 
 def decode(data: bytes) -> core.PeerMessage:
-    if data[4] in TAKES:
+    if data[4] == APPEND_B or data[4] == ACK_B:
         return _packed(data)
-    return _decode(*header(data))
+    return _decode(data, *_header(data))
+
+
+def _append_part(data: bytes) -> tuple[bytes, int, int]:
+    """(header, where its frames start and stop) of an APPEND_PART or APPEND_B message."""
+    length: int
+    hlen: int
+    length, _kind, hlen = HEAD.unpack_from(data, 0)
+    if HEAD_SIZE + hlen > 4 + length:
+        raise WireError("an Append's header runs past its message")
+    return data[HEAD_SIZE : HEAD_SIZE + hlen], HEAD_SIZE + hlen, 4 + length
 
 
 def _packed(data: bytes) -> core.PeerMessage:
@@ -260,7 +362,7 @@ def _packed(data: bytes) -> core.PeerMessage:
             if APPEND_HEAD_SIZE + n != hlen or at + hlen > 4 + length:
                 raise ValueError("its header's length does not add up")
             sender = data[at + APPEND_HEAD_SIZE : at + hlen].decode()
-            return core.Append(sender, epoch, start, frames(data[at + hlen : 4 + length]))
+            return core.Append(sender, epoch, start, frames(data, at + hlen, 4 + length))
         epoch, a, b, offset, n = ACK_HEAD.unpack_from(data, at)
         if ACK_HEAD_SIZE + n != hlen or 4 + length != at + hlen:
             raise ValueError("its header's length does not add up")
@@ -270,7 +372,8 @@ def _packed(data: bytes) -> core.PeerMessage:
         raise WireError(f"bad message of kind {kind}: {exc!r}") from None
 
 
-def _decode(kind: int, h: dict[str, Any], body: bytes) -> core.PeerMessage:
+def _decode(data: bytes, kind: int, h: dict[str, Any], start: int, stop: int) -> core.PeerMessage:
+    """A message with a JSON header: its frames are `data[start:stop]`."""
     try:
         sender, epoch = str(h["sender"]), int(h["epoch"])
         if kind == HELLO:
@@ -284,14 +387,14 @@ def _decode(kind: int, h: dict[str, Any], body: bytes) -> core.PeerMessage:
                 h.get("digest"),
             )
         if kind == SYNC:
-            entries = frames(body)
+            entries = frames(data, start, stop)
             session = _session(h["session"])
             bounds = _boundaries(h["boundaries"])
             if h.get("full"):
                 return core.Sync(sender, epoch, session, 0, (), entries, bounds, int(h["end"]))
             return core.Sync(sender, epoch, session, int(h["agree"]), entries)
         if kind == APPEND:
-            return core.Append(sender, epoch, int(h["start"]), frames(body))
+            return core.Append(sender, epoch, int(h["start"]), frames(data, start, stop))
         if kind == ACK:
             return core.Ack(sender, epoch, _session(h["session"]), int(h["offset"]))
         if kind == REJOIN:
