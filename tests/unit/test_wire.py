@@ -138,11 +138,25 @@ def _messages(data: bytes) -> list[bytes]:
     return out
 
 
-def _large_append() -> core.Append:
-    """Small frames and large ones, as one turn's commit of a transaction."""
-    small = [records.frame(records.DEQUEUE, 3, n, b"ack %03d" % n) for n in range(41, 44)]
-    large = [records.frame(records.ENQUEUE, 3, n, bytes([n]) * 9_000) for n in range(44, 50)]
-    return core.Append("tandem-0", 3, 41, [*small, *large, *small])
+BODIES = [bytes([n]) * 9_000 for n in range(44, 50)]
+
+
+def _large_append(start: int = 41) -> core.Append:
+    """Small frames and large ones, as one turn's commit of a transaction: some large ones as
+    their parts, the body as it came (`records.Framed`), as a primary ships them."""
+    small = [records.frame(records.DEQUEUE, 3, start + n, b"ack %03d" % n) for n in range(3)]
+    large: list[records.Framed] = []
+    for n, body in enumerate(BODIES, start + 3):
+        if n % 2:
+            large.append(records.frame_parts(records.ENQUEUE, 3, n, [b"head", body]))
+        else:
+            large.append(records.frame(records.ENQUEUE, 3, n, body))
+    after = [records.frame(records.DEQUEUE, 3, start + 9 + n, b"ack") for n in range(3)]
+    return core.Append("tandem-0", 3, start, [*small, *large, *after])
+
+
+def _joined(append: core.Append) -> list[bytes]:
+    return [d if isinstance(d, bytes) else b"".join(d) for d in append.entries]
 
 
 @pytest.mark.parametrize("cap", [20_000, 9_100, 1])
@@ -163,25 +177,30 @@ def test_a_large_append_goes_in_parts_a_receiver_takes_and_reads_as_one(
     for data in messages:
         frames = wire.frames(data[wire.HEAD_SIZE + int.from_bytes(data[5:9], "big") :])
         assert sum(map(len, frames)) <= cap or len(frames) == 1
-    large = [f for f in append.entries if len(f) >= records.BIG]
-    assert all(any(p is f for p in parts) for f in large)  # written as they are, not joined
+    as_parts = [d[-1] for d in append.entries if isinstance(d, list)]
+    assert as_parts and all(b in BODIES for b in as_parts)
+    assert all(any(p is body for p in parts) for body in as_parts)  # as they came, not copied
+    whole = core.Append(append.sender, append.epoch, append.start, _joined(append))
     upstream = wire.Upstream()
     got = [upstream.take(m) for m in messages]
     assert got[:-1] == [None] * (len(messages) - 1)
-    assert _same_append(got[-1], append)
-    assert upstream.take(wire.encode(append, wire.TAKES)) is not None  # nothing left over
-    old = wire.encode_append(append, (wire.APPEND_B, wire.ACK_B))  # a member from before
-    assert len(old) == 1 and old[0][4] == wire.APPEND_B
-    assert _same_append(wire.decode(old[0]), append)
+    assert _same_append(got[-1], whole)
+    assert upstream.take(wire.encode(whole, wire.TAKES)) is not None  # nothing left over
+    before = wire.encode_append(append, (wire.APPEND_B, wire.ACK_B))  # a member from before
+    assert _messages(b"".join(before))[0][4] == wire.APPEND_B
+    assert _same_append(wire.decode(b"".join(before)), whole)  # one message, as before
+    plain = wire.encode_append(append)  # a member from before APPEND_B
+    assert len(plain) == 1 and _same_append(wire.decode(plain[0]), whole)
     with pytest.raises(wire.WireError):
         wire.decode(messages[0])  # a part alone, as a member from before reads it: refused
 
 
 def test_an_append_of_up_to_the_limit_goes_as_one_message(monkeypatch: pytest.MonkeyPatch) -> None:
     append = _large_append()
-    size = sum(map(len, append.entries))
+    size = sum(map(records.framed_size, append.entries))
     monkeypatch.setattr(wire, "APPEND_MESSAGE", size)
-    assert wire.encode_append(append, wire.TAKES) == [wire.encode(append, wire.TAKES)]
+    one = b"".join(wire.encode_append(append, wire.TAKES))
+    assert one == wire.encode(append, wire.TAKES) and len(_messages(one)) == 1
     monkeypatch.setattr(wire, "APPEND_MESSAGE", size - 1)
     assert len(_messages(b"".join(wire.encode_append(append, wire.TAKES)))) == 2
 
@@ -194,7 +213,7 @@ def test_the_parts_of_an_append_not_followed_by_its_end_end_the_link(
     is a broken stream, not a message to take with some of an Append's records."""
     monkeypatch.setattr(wire, "APPEND_MESSAGE", 20_000)
     first = _messages(b"".join(wire.encode_append(_large_append(), wire.TAKES)))[0]
-    other = core.Append("tandem-0", 3, 60, _large_append().entries)
+    other = _large_append(60)
     after = {
         "another append's part": _messages(b"".join(wire.encode_append(other, wire.TAKES)))[0],
         "an ack": wire.encode(core.Ack("tandem-0", 3, (1, 1), 40), wire.TAKES),
@@ -202,6 +221,11 @@ def test_the_parts_of_an_append_not_followed_by_its_end_end_the_link(
     }[then]
     upstream = wire.Upstream()
     assert upstream.take(first) is None
+    with pytest.raises(wire.WireError, match="not followed by its end"):
+        upstream.take(after)
+    empty = wire._head(wire.APPEND_PART, first[wire.HEAD_SIZE : first.index(b"tandem-0") + 8], 0)
+    upstream = wire.Upstream()
+    assert upstream.take(empty) is None  # a part with no frames still begins an Append
     with pytest.raises(wire.WireError, match="not followed by its end"):
         upstream.take(after)
 
@@ -273,5 +297,8 @@ def test_a_large_body_is_shipped_as_it_came_not_joined_into_its_frame() -> None:
             frame = got.entries[-1]
             assert frame == b"".join(kept) and records.problem_at(frame, 0) is None
             assert records.read_enqueue(records.payload(frame))[5] == body
+        publish(b.vhost("/").queues["q"])  # a small body: its frame one buffer, as before
+        m._flush(due=True)
+        assert isinstance(m.log.window[-1][1], bytes)
 
     asyncio.run(run())

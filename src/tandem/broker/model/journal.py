@@ -479,6 +479,8 @@ class Sequencer:
         if self.shipper is not None:
             if not replicated:
                 data = records.frame(records.NOOP, self.epoch, offset, NOOP_PAYLOAD, False, more)
+            elif not isinstance(data, bytes) and len(data) == 1:
+                data = data[0]  # no large body: one buffer, as a frame
             self.shipper.ship(data, offset)  # a large body's parts as they are, not joined
             self.last_shipped = offset
 

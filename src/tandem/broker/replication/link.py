@@ -171,7 +171,8 @@ class Link(asyncio.Protocol):
         self._wrote(len(data))
 
     def write_parts(self, parts: Sequence[bytes]) -> None:
-        """Write `parts` (a copy's messages), counted as one write (`largest_unsent`)."""
+        """Write `parts` (a copy's messages, or an Append's buffers), counted as one write
+        (`largest_unsent`)."""
         for data in parts:
             self.transport.write(data)
         self._wrote(sum(len(data) for data in parts))

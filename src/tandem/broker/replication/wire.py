@@ -104,25 +104,32 @@ def _joined(frames: Sequence[Any]) -> bytes:
 
 
 def encode_append(msg: core.Append, takes: Sequence[int] = ()) -> list[bytes]:
-    """`msg` as bytes to write one after another. Up to `APPEND_MESSAGE` bytes of frames, or
-    to a peer that does not take APPEND_PART: one message (`encode`). Larger (one turn's
-    commit of a transaction of large messages passed the 1 GiB a receiver takes, and the
-    join of it held the loop for seconds): APPEND_PART messages of at most that many bytes
-    of frames (or one larger frame), then the APPEND_B, each with the Append's own header;
-    the frames go as they are, small ones joined in runs."""
+    """`msg` as bytes to write one after another. Small records (the common case): one
+    message, joined. With a large record's parts among them (`records.Framed`), to a peer
+    that takes APPEND_B: its frames written as they are, small ones joined in runs, never
+    the large body copied into one buffer on the loop. Over `APPEND_MESSAGE` bytes of
+    frames, to a peer that takes APPEND_PART: APPEND_PART messages of at most that many
+    (or one larger frame), then the APPEND_B, each with the Append's own header. One
+    turn's commit of a transaction of eleven 100 MiB messages was one message past the
+    1 GiB a receiver takes, and its joins held the primary's loop for seconds."""
+    if APPEND_B not in takes:
+        return [encode(msg, takes)]
     entries: Sequence[records.Framed] = msg.entries
-    if APPEND_PART not in takes:
-        return [encode(msg, takes)]
-    sizes = [records.framed_size(data) for data in entries]
-    if sum(sizes) <= APPEND_MESSAGE:
-        return [encode(msg, takes)]
     sender = msg.sender.encode()
     head = APPEND_HEAD.pack(msg.epoch, msg.start, len(sender)) + sender
+    try:
+        body: bytes | None = b"".join(entries)  # type: ignore[arg-type]
+    except TypeError:  # a record's parts among them
+        body = None
+    limit = APPEND_MESSAGE if APPEND_PART in takes else 1 << 62  # else one message, as before
+    if body is not None and len(body) <= limit:
+        return [_head(APPEND_B, head, len(body)) + body]
     messages: list[tuple[list[records.Framed], int]] = []
     group: list[records.Framed] = []
     size = 0
-    for data, n in zip(entries, sizes, strict=True):
-        if group and size + n > APPEND_MESSAGE:
+    for data in entries:
+        n = len(data) if isinstance(data, bytes) else records.framed_size(data)
+        if group and size + n > limit:
             messages.append((group, size))
             group, size = [], 0
         group.append(data)
@@ -294,24 +301,27 @@ class Upstream:
         self.parts: list[bytes] = []  # the frames of a copy so far
         self.session: core.Session | None = None
         self.append_parts: list[bytes] = []  # the frames of an Append so far
-        self.append_head: bytes = b""  # its header, which each of its messages repeats
+        self.append_head: bytes = b""  # its header, which each of its messages repeats (or
+        # b"": none begun)
 
     def take(self, data: bytes) -> core.PeerMessage | None:
         kind = data[4]
         if kind == APPEND_PART:
             head, start, stop = _append_part(data)
-            if self.append_parts and head != self.append_head:
+            if self.append_head and head != self.append_head:
                 raise WireError("the parts of an Append were not followed by its end")
             self.append_head = head
             self.append_parts += frames(data, start, stop)
             return None
-        if self.append_parts:
+        if self.append_head:
             parts, self.append_parts = self.append_parts, []
             head, self.append_head = self.append_head, b""
             if kind != APPEND_B or _append_part(data)[0] != head:
                 raise WireError("the parts of an Append were not followed by its end")
             msg = decode(data)
             assert isinstance(msg, core.Append)
+            # Taken as one Append: held until its end came, it is applied in one turn of
+            # the follower's loop (seconds, for a gigabyte), as one message's would be.
             return dataclasses.replace(msg, entries=[*parts, *msg.entries])
         if kind == SYNC_PART:
             _kind, h, start, stop = _header(data)
