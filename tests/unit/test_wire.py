@@ -9,7 +9,8 @@ import asyncio
 import pytest
 
 from tandem.broker.model import records
-from tandem.broker.replication import core, wire
+from tandem.broker.model.broker import Broker
+from tandem.broker.replication import core, member, wire
 from tests.unit.test_member_copy import Follower, primary_with_follower, publish
 
 FRAMES = (
@@ -83,18 +84,25 @@ def test_an_append_whose_header_runs_past_its_message_ends_the_link() -> None:
         wire.decode(bytes(data))
 
 
+async def old_and_new_followers() -> tuple[member.Member, Follower, Follower, Broker]:
+    """A primary with two synced followers: one from before the packed kinds (b), one that
+    takes every kind this member reads (c)."""
+    m, old, b = primary_with_follower()
+    new = Follower()
+    new.link.takes = wire.TAKES
+    m.peers["c"] = new.link
+    for node in ("b", "c"):
+        m.on_peer(core.Hello(node, 1, (5, 1), (), 0, False, None))
+        await m.copying[node].made
+    return m, old, new, b
+
+
 def test_a_primary_sends_a_follower_the_kinds_it_said_it_takes() -> None:
     """The same batch goes packed to a follower that takes APPEND_B and as JSON to one that
     said nothing: a cluster mid-upgrade keeps replicating."""
 
     async def run() -> None:
-        m, old, b = primary_with_follower()
-        new = Follower()
-        new.link.takes = wire.TAKES
-        m.peers["c"] = new.link
-        for node in ("b", "c"):
-            m.on_peer(core.Hello(node, 1, (5, 1), (), 0, False, None))
-            await m.copying[node].made
+        m, old, new, b = await old_and_new_followers()
         publish(b.vhost("/").queues["q"])
         b.journal.when_done(lambda: None)  # a confirm waits for it: shipped at once
         m._flush()
@@ -238,13 +246,7 @@ def test_a_primary_writes_a_large_append_in_parts_as_one_write(
     monkeypatch.setattr(wire, "APPEND_MESSAGE", 3_000)
 
     async def run() -> None:
-        m, old, b = primary_with_follower()
-        new = Follower()
-        new.link.takes = wire.TAKES
-        m.peers["c"] = new.link
-        for node in ("b", "c"):
-            m.on_peer(core.Hello(node, 1, (5, 1), (), 0, False, None))
-            await m.copying[node].made
+        m, old, new, b = await old_and_new_followers()
         new.transport.unsent = 0  # the copy has left
         q = b.vhost("/").queues["q"]
         for _ in range(10):
@@ -275,13 +277,7 @@ def test_a_large_body_is_shipped_as_it_came_not_joined_into_its_frame() -> None:
     from tandem.broker.model.message import Message
 
     async def run() -> None:
-        m, old, b = primary_with_follower()
-        new = Follower()
-        new.link.takes = wire.TAKES
-        m.peers["c"] = new.link
-        for node in ("b", "c"):
-            m.on_peer(core.Hello(node, 1, (5, 1), (), 0, False, None))
-            await m.copying[node].made
+        m, old, new, b = await old_and_new_followers()
         body = b"z" * (4 * records.BIG)
         props = commands.Basic.Properties(delivery_mode=2).marshal()
         msg = Message("", "q", message.encode_route("", "q"), props, body, len(body))
