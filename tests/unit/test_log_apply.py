@@ -16,6 +16,7 @@ from tandem.broker.model import apply, message, records
 from tandem.broker.model.broker import Broker
 from tandem.broker.model.journal import Sequencer
 from tandem.broker.model.message import Message
+from tests.support import sleeps_here
 
 
 class Disk:
@@ -685,7 +686,6 @@ def test_a_copy_that_only_looks_at_messages_gives_the_loop_few_turns(
     persistent messages of a durable queue up to its end: the copy looks at each, encodes
     none, and counts them at a sixteenth. Counted whole, a million queued gave 25 turns,
     0.3 s of a 0.45 s copy."""
-    import time
 
     from tandem.broker.replication.log import BrokerLog
     from tandem.broker.store import log as store_log
@@ -700,8 +700,7 @@ def test_a_copy_that_only_looks_at_messages_gives_the_loop_few_turns(
     primary_log = BrokerLog(b, seq, None)
     copy = primary_log.snapshot(member_log.digest(brief=True), member_log.end)
     assert copy is not None
-    given: list[float] = []
-    monkeypatch.setattr(time, "sleep", given.append)
+    given = sleeps_here(monkeypatch)
     frames = copy.frames()
     assert not [f for f in frames if records.head(f)[0] == records.ENQUEUE]  # all held
     assert len(given) <= 1  # two, counted whole
@@ -713,13 +712,11 @@ def test_messages_looked_at_a_few_at_a_time_count_as_many_at_once(
     """A hundred thousand queues of ten messages, each looked at by a copy, count as a
     million messages do: counted a queue at a time, each was rounded down to nothing, and
     the copy never gave the loop its turn."""
-    import time
 
     from tandem.broker.replication import log as log_mod
     from tandem.broker.store import log as store_log
 
-    given: list[float] = []
-    monkeypatch.setattr(time, "sleep", given.append)
+    given = sleeps_here(monkeypatch)
     monkeypatch.setattr(log_mod, "_looked", 0)
     monkeypatch.setattr(store_log, "_owed", 0)
     for _queue in range(100_000):

@@ -24,6 +24,7 @@ from tandem.broker.model.queue import Queue
 from tandem.broker.model.shards import SHARDS, SPLIT_AT
 from tandem.broker.store import log as log_mod
 from tandem.broker.store.log import Recovered, Store
+from tests.support import sleeps_here
 
 PERSISTENT = b"\x10\x00\x02"  # property flags: delivery-mode present; delivery-mode 2
 
@@ -379,8 +380,7 @@ def test_a_checkpoint_gives_the_loop_its_turn_in_its_pass_over_the_index(
     store, broker = recover(tmp_path, page_bytes=1 << 30, checkpoint_records=0)
     assert broker.vhost("/").queues["q"].paged == 0  # all in memory: the head names them all
     state = store._captured()
-    given: list[float] = []
-    monkeypatch.setattr(time, "sleep", given.append)
+    given = sleeps_here(monkeypatch)
     by_queue, head_places = log_mod._split_where(state)
     assert not by_queue and len(head_places[("/", "q")]) == count  # all for the head to take
     assert len(given) == count // log_mod.YIELD_EVERY
@@ -394,8 +394,7 @@ def test_an_index_merged_a_shard_at_a_time_gives_way_as_a_pass_over_its_messages
     YIELD_EVERY messages: a shard of two and a half times that gives it two, and its last
     half with the next shard's half one more (counted by one call of `give_way` each, as
     the copies count their slices, they gave two)."""
-    given: list[float] = []
-    monkeypatch.setattr(time, "sleep", given.append)
+    given = sleeps_here(monkeypatch)
     monkeypatch.setattr(log_mod, "_owed", 0)
     every = log_mod.YIELD_EVERY
     big = {i: i for i in range(2 * every + every // 2)}
